@@ -1,0 +1,175 @@
+"""Self-attention whose projections are decomposed, in any layout.
+
+The block is layout-agnostic: the layout only chooses which factor classes fill the slots of
+``FactoredAttentionSubmodules``. The number of heads this rank attends over is read back from
+what the up factors produce — head-sharded for DeInfer (``ShardedUp``), all heads for the naive
+baseline (``ReducedUp``) — so there is no layout branch here.
+
+Data flow (DeInfer): ``x → V_qkv x`` (merged GEMM, one all-gather of r_q+r_k+r_v) → ``U_q, U_k,
+U_v`` for this rank's heads → RoPE → attention → ``linear_proj`` (V_o on this rank's head dims,
+one all-reduce of r_o, replicated U_o). Megatron's ``TransformerLayer`` builds this module in
+its ``self_attention`` slot and calls it with Megatron's attention signature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+
+@dataclass
+class FactoredAttentionSubmodules:
+    """One slot per factor of the decomposed q/k/v/o projections.
+
+    linear_qkv_down: the merged ``[V_q; V_k; V_v]`` (a down factor with three sections).
+    linear_q_up / linear_k_up / linear_v_up: ``U_q``, ``U_k``, ``U_v`` (up factors).
+    core_attention: attention over the heads this rank holds.
+    linear_proj: the decomposed output projection (a ``FactoredLinear``: V_o then U_o).
+    """
+
+    linear_qkv_down: Union[ModuleSpec, type, None] = None
+    linear_q_up: Union[ModuleSpec, type, None] = None
+    linear_k_up: Union[ModuleSpec, type, None] = None
+    linear_v_up: Union[ModuleSpec, type, None] = None
+    core_attention: Union[ModuleSpec, type, None] = None
+    linear_proj: Union[ModuleSpec, type, None] = None
+
+
+@dataclass(frozen=True)
+class AttentionRanks:
+    """Ranks of the four decomposed attention matrices of one layer."""
+
+    q: int
+    k: int
+    v: int
+    o: int
+
+
+class FactoredSelfAttention(MegatronModule):
+    """Decomposed self-attention with Megatron's attention constructor and forward signature.
+
+    Args:
+        config: Megatron ``TransformerConfig``.
+        submodules: the factor classes, chosen by the layout.
+        layer_number: Megatron's global 1-based layer number.
+        pg_collection: process groups; ``tp`` and ``cp`` are used.
+        ranks: ranks of q, k, v and o for this layer.
+        prefix: the layer's name, for errors and communication accounting.
+    Shapes: ``hidden_states [s, b, h]`` → ``([s, b, h], bias or None)``.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        submodules: FactoredAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+        *,
+        ranks: AttentionRanks,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(config=config)
+        if pg_collection is None:
+            raise ValueError(f"{prefix}: pg_collection (with tp and cp groups) is required")
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.cp_group = getattr(pg_collection, "cp", None)
+        tp = pg_collection.tp
+        d = config.kv_channels
+        n_heads, n_kv = config.num_attention_heads, config.num_query_groups
+        qkv_bias = bool(config.add_qkv_bias or config.add_bias_linear)
+        common = dict(config=config, tp_group=tp, layer_number=layer_number)
+
+        self.linear_qkv_down = build_module(
+            submodules.linear_qkv_down,
+            config.hidden_size,
+            (ranks.q, ranks.k, ranks.v),
+            prefix=f"{prefix}.qkv_down",
+            **common,
+        )
+        ups = {}
+        for name, rank, heads in (("q", ranks.q, n_heads), ("k", ranks.k, n_kv), ("v", ranks.v, n_kv)):
+            ups[name] = build_module(
+                getattr(submodules, f"linear_{name}_up"),
+                heads * d,
+                (rank,),
+                bias=qkv_bias,
+                unit_size=d,
+                prefix=f"{prefix}.{name}_up",
+                **common,
+            )
+        self.linear_q_up, self.linear_k_up, self.linear_v_up = ups["q"], ups["k"], ups["v"]
+        self.head_dim = d
+        self.num_heads = self.linear_q_up.output_span.size // d
+        self.num_kv_heads = self.linear_k_up.output_span.size // d
+
+        self.core_attention = build_module(
+            submodules.core_attention,
+            config,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=d,
+            layer_number=layer_number,
+        )
+        self.linear_proj = build_module(
+            submodules.linear_proj,
+            n_heads * d,
+            config.hidden_size,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            ranks=(ranks.o,),
+            input_span=self.linear_q_up.output_span,
+            prefix=f"{prefix}.proj",
+            init_method=config.output_layer_init_method,
+            **common,
+        )
+
+    def _project(self, up: torch.nn.Module, latent: torch.Tensor, heads: int) -> torch.Tensor:
+        out, bias = up((latent,))
+        if bias is not None:
+            out = out + bias
+        return out.view(*out.shape[:2], heads, self.head_dim)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        key_value_states: torch.Tensor | None = None,
+        inference_context: Any = None,
+        rotary_pos_emb: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        rotary_pos_cos: torch.Tensor | None = None,
+        rotary_pos_sin: torch.Tensor | None = None,
+        rotary_pos_cos_sin: torch.Tensor | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+        sequence_len_offset: int | None = None,
+        *,
+        inference_params: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if key_value_states is not None or packed_seq_params is not None:
+            raise NotImplementedError("cross-attention and packed sequences are not supported")
+        c_q, c_k, c_v = self.linear_qkv_down(hidden_states)
+        query = self._project(self.linear_q_up, c_q, self.num_heads)
+        key = self._project(self.linear_k_up, c_k, self.num_kv_heads)
+        value = self._project(self.linear_v_up, c_v, self.num_kv_heads)
+
+        if rotary_pos_emb is not None:
+            q_emb, k_emb = (
+                rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+            )
+            sq = query.shape[0]
+            query = apply_rotary_pos_emb(query, q_emb[:sq], config=self.config, cp_group=self.cp_group)
+            key = apply_rotary_pos_emb(key, k_emb[:sq], config=self.config, cp_group=self.cp_group)
+
+        context = self.core_attention(query, key, value, attention_mask)
+        return self.linear_proj(context)

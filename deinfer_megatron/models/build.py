@@ -1,0 +1,120 @@
+"""Build one pipeline stage of a (decomposed) ``GPTModel`` and load it.
+
+The stage is constructed on the meta device and then given empty local storage
+(``to_empty``): only this rank's shards are ever allocated, and the checkpoint loaders fill
+them. Megatron's ``GPTModel`` is used as is; only the decoder-block spec is ours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from deinfer_megatron.checkpoints.loader import MultipliedOut, load_stage
+from deinfer_megatron.models.arch import ModelArch, transformer_config
+from deinfer_megatron.parallel.runtime import ParallelGroups
+from deinfer_megatron.parallel.topology import valid_tp_sizes
+from deinfer_megatron.specs.builder import decomposed_block_spec
+from deinfer_megatron.specs.layout import Layout
+from deinfer_megatron.specs.rank_config import RankConfig
+
+
+@dataclass
+class Stage:
+    """One rank's piece of the model: its ``GPTModel`` stage and where it sits."""
+
+    model: Any  # megatron.core.models.gpt.GPTModel
+    arch: ModelArch
+    layout: Layout
+    rank_config: RankConfig  # as built (all dense under the dense layout)
+    groups: ParallelGroups
+    layer_offset: int
+    num_local_layers: int
+    padded_vocab: int
+
+
+def check_parallel_sizes(arch: ModelArch, tp: int, pp: int) -> None:
+    """Reject TP/PP sizes the model cannot be split into, naming the valid ones."""
+    valid = valid_tp_sizes(arch.num_heads, arch.num_kv_heads)
+    if tp not in valid:
+        raise ValueError(
+            f"--tp {tp} does not split {arch.num_heads} heads / {arch.num_kv_heads} KV heads evenly; "
+            f"valid TP sizes: {', '.join(map(str, valid))}"
+        )
+    if not 1 <= pp <= arch.num_layers:
+        raise ValueError(f"--pp {pp} must be between 1 and the number of layers ({arch.num_layers})")
+
+
+def padded_vocab_size(vocab: int, tp: int) -> int:
+    """Megatron splits the vocabulary evenly; pad with zero rows up to a multiple of TP."""
+    return -(-vocab // tp) * tp
+
+
+def build_stage(
+    arch: ModelArch,
+    rank_config: RankConfig,
+    layout: Layout | str,
+    groups: ParallelGroups,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> Stage:
+    """Construct this rank's empty model stage for ``layout`` (dense ignores the rank config)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    layout = Layout.parse(layout)
+    check_parallel_sizes(arch, groups.tp_size, groups.pp_size)
+    built_ranks = RankConfig.dense(arch) if layout is Layout.DENSE else rank_config
+    config = transformer_config(arch, tp=groups.tp_size, pp=groups.pp_size, dtype=dtype)
+    spec = decomposed_block_spec(config, built_ranks, layout, pp_rank=groups.pp_rank)
+    vocab = padded_vocab_size(arch.vocab_size, groups.tp_size)
+    with torch.device("meta"):
+        model = GPTModel(
+            config,
+            spec,
+            vocab_size=vocab,
+            max_sequence_length=arch.max_positions,
+            pre_process=groups.is_first_stage,
+            post_process=groups.is_last_stage,
+            parallel_output=False,
+            # Across pipeline stages the head keeps its own copy, loaded from the embedding.
+            share_embeddings_and_output_weights=arch.tied_embeddings and groups.pp_size == 1,
+            position_embedding_type="learned_absolute" if arch.family == "opt" else "rope",
+            rotary_base=arch.rope_theta if arch.family != "opt" else 10000,
+            pg_collection=groups.pg_collection,
+        )
+    model.to_empty(device="cpu")
+    model.eval()
+    model.requires_grad_(False)
+    return Stage(
+        model=model,
+        arch=arch,
+        layout=layout,
+        rank_config=built_ranks,
+        groups=groups,
+        layer_offset=get_transformer_layer_offset(config, pp_rank=groups.pp_rank),
+        num_local_layers=get_num_layers_to_build(config, pp_rank=groups.pp_rank),
+        padded_vocab=vocab,
+    )
+
+
+def load_weights(stage: Stage, source: Mapping[str, Any], source_ranks: RankConfig) -> None:
+    """Fill ``stage`` from Hugging Face-named tensors decomposed as ``source_ranks`` says.
+
+    Under the dense layout a decomposed source is multiplied out (``W = U·V``) on the fly.
+    """
+    if stage.layout is Layout.DENSE and source_ranks.modules:
+        source = MultipliedOut(source, source_ranks)
+    elif stage.layout is not Layout.DENSE and dict(source_ranks.modules) != dict(stage.rank_config.modules):
+        raise ValueError("the checkpoint's rank config differs from the one the model was built with")
+    load_stage(
+        stage.model,
+        source,
+        stage.arch,
+        stage.rank_config,
+        layer_offset=stage.layer_offset,
+        num_local_layers=stage.num_local_layers,
+    )

@@ -1,0 +1,118 @@
+"""Every tensor-parallel collective the project issues, and the ledger that counts them.
+
+Layers never call ``torch.distributed`` themselves: they call the named operations below, so
+this module is the one place where communication happens and is counted. Counting is opt-in
+(``with recording() as ledger:``) and costs one ``ContextVar`` lookup per collective when off.
+
+A collective is recorded as its *element count per token*: for an all-gather, the width of the
+gathered result; for an all-reduce, the width of the reduced tensor. That is the unit DESIGN.md
+uses for its formulas, and what ``deinfer-megatron plan`` predicts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from deinfer_megatron.parallel.topology import TPView
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective as issued by one rank."""
+
+    kind: str  # "all_gather" | "all_reduce"
+    site: str  # "<layer number>.<module>", e.g. "3.linear_qkv_down"
+    layer: int  # Megatron layer number (1-based, global); 0 outside transformer layers
+    elements_per_token: int
+    tokens: int
+
+
+@dataclass
+class CommLedger:
+    """Collectives recorded while a ``recording()`` block was active."""
+
+    records: list[CommRecord] = field(default_factory=list)
+
+    def by_layer(self) -> dict[int, list[CommRecord]]:
+        out: dict[int, list[CommRecord]] = {}
+        for rec in self.records:
+            out.setdefault(rec.layer, []).append(rec)
+        return out
+
+    def kinds(self, layer: int) -> Counter[str]:
+        return Counter(r.kind for r in self.records if r.layer == layer)
+
+    def elements_per_token(self, layer: int) -> int:
+        return sum(r.elements_per_token for r in self.records if r.layer == layer)
+
+    def clear(self) -> None:
+        self.records.clear()
+
+
+_ACTIVE: contextvars.ContextVar[CommLedger | None] = contextvars.ContextVar(
+    "deinfer_comm_ledger", default=None
+)
+
+
+@contextlib.contextmanager
+def recording(ledger: CommLedger | None = None) -> Iterator[CommLedger]:
+    """Record every collective issued inside the block into ``ledger`` (a new one by default)."""
+    ledger = ledger if ledger is not None else CommLedger()
+    token = _ACTIVE.set(ledger)
+    try:
+        yield ledger
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _record(kind: str, site: str, layer: int, width: int, x: torch.Tensor) -> None:
+    ledger = _ACTIVE.get()
+    if ledger is not None:
+        tokens = x.numel() // max(x.shape[-1], 1)
+        ledger.records.append(CommRecord(kind, site, layer, width, tokens))
+
+
+def _require_group(tp: TPView, op: str, site: str) -> dist.ProcessGroup:
+    if tp.group is None:
+        raise RuntimeError(
+            f"{site}: {op} over {tp.size} tensor-parallel ranks needs a process group; this layer "
+            "was built as a single-process shard view (TPView without a group)"
+        )
+    return tp.group
+
+
+def all_gather_last_dim(x: torch.Tensor, tp: TPView, *, site: str, layer: int) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along the last dimension, in rank order.
+
+    Args:
+        x: ``[..., c]`` local chunk, the same shape on every rank.
+    Returns:
+        ``[..., tp.size * c]`` on every rank.
+    """
+    if tp.size == 1:
+        return x
+    group = _require_group(tp, "all-gather", site)
+    x = x.contiguous()
+    out = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x, group=group)
+    _record("all_gather", site, layer, tp.size * x.shape[-1], x)
+    chunks = out.view(tp.size, *x.shape)
+    return chunks.movedim(0, -2).reshape(*x.shape[:-1], tp.size * x.shape[-1])
+
+
+def all_reduce_sum(x: torch.Tensor, tp: TPView, *, site: str, layer: int) -> torch.Tensor:
+    """Sum ``x`` over the tensor-parallel ranks (in place when possible) and return it."""
+    if tp.size == 1:
+        return x
+    group = _require_group(tp, "all-reduce", site)
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    _record("all_reduce", site, layer, x.shape[-1], x)
+    return x

@@ -1,0 +1,59 @@
+"""Running a forward pass across pipeline stages with point-to-point send/recv.
+
+Megatron's pipeline schedules are built for training and need CUDA; inference only needs each
+stage to receive the previous stage's hidden states, run its layers, and pass them on. Every
+rank knows the token ids (they are the same on all ranks), hence the shape it will receive.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deinfer_megatron.models.build import Stage
+
+
+def stage_forward(
+    stage: Stage,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    inference_context: Any = None,
+) -> torch.Tensor | None:
+    """Run this stage on ``input_ids [b, s]``.
+
+    Returns the logits ``[b, s, vocab]`` (vocabulary padding removed) on the last stage and
+    None on the others, which send their hidden states ``[s, b, h]`` to the next stage.
+    """
+    groups = stage.groups
+    model = stage.model
+    if not groups.is_first_stage:
+        b, s = input_ids.shape
+        hidden = torch.empty(s, b, stage.arch.hidden_size, dtype=model.config.params_dtype)
+        dist.recv(hidden, src=groups.prev_rank)
+        model.set_input_tensor(hidden)
+    with torch.inference_mode():
+        out = model(
+            input_ids if groups.is_first_stage else None,
+            position_ids,
+            attention_mask,
+            inference_context=inference_context,
+        )
+    if not groups.is_last_stage:
+        dist.send(out.contiguous(), dst=groups.next_rank)
+        return None
+    return out[..., : stage.arch.vocab_size]
+
+
+def broadcast_from_last_stage(stage: Stage, tensor: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """Give every rank the last stage's ``tensor`` (shape and dtype of ``like``)."""
+    groups = stage.groups
+    if groups.pp_size == 1:
+        assert tensor is not None, "a single stage is the last stage"
+        return tensor
+    buf = tensor.contiguous() if groups.is_last_stage else torch.empty_like(like)
+    dist.broadcast(buf, src=groups.last_stage_rank, group=groups.pg_collection.pp)
+    return buf

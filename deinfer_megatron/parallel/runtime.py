@@ -1,0 +1,102 @@
+"""Joining the ranks: torch.distributed (gloo on CPU) plus Megatron's TP/PP groups.
+
+The groups are created once by ``megatron.core.parallel_state`` and then handed around as an
+explicit ``ParallelGroups`` value — layers never read Megatron's globals themselves.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import patches
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's place in the TP × PP grid and the process groups Megatron modules take."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    pg_collection: Any  # megatron.core.process_groups_config.ProcessGroupCollection
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def next_rank(self) -> int:
+        return dist.get_global_rank(self.pg_collection.pp, self.pp_rank + 1)
+
+    @property
+    def prev_rank(self) -> int:
+        return dist.get_global_rank(self.pg_collection.pp, self.pp_rank - 1)
+
+    @property
+    def last_stage_rank(self) -> int:
+        return dist.get_global_rank(self.pg_collection.pp, self.pp_size - 1)
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_parallel(tp: int, pp: int, *, timeout_s: float = 300.0) -> ParallelGroups:
+    """Initialise torch.distributed from the launcher's environment and build the TP/PP groups.
+
+    Reads ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (set by torchrun, the DeepSpeed
+    launcher, or mapped from Slurm by ``deinfer_megatron.launch``). ``timeout_s`` bounds every
+    collective so that a dead peer ends the job instead of hanging it.
+    """
+    patches.apply_all()
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=default_backend(),
+            rank=int(os.environ.get("RANK", "0")),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    world = dist.get_world_size()
+    if tp * pp != world:
+        raise RuntimeError(
+            f"TP×PP = {tp}×{pp} = {tp * pp} but the launcher started {world} ranks; "
+            f"start {tp * pp} ranks or change --tp/--pp"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+    )
+    return ParallelGroups(
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=tp,
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_size=pp,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+
+
+def shutdown() -> None:
+    """Tear down Megatron's groups and the default process group."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,153 @@
+"""Megatron ``ModuleSpec``s for a decomposed model: one ``TransformerLayer`` spec per layer.
+
+A Megatron user serving a decomposed model swaps one argument:
+
+    block_spec = decomposed_block_spec(config, rank_config, "deinfer")
+    model = GPTModel(config, block_spec, vocab_size, max_seq_len, ...)
+
+Each layer's attention and MLP is either Megatron's dense module or the decomposed one with the
+layout's factor classes; ranks travel in the spec ``params`` because they differ per layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+
+from deinfer_megatron.layers.attention import FactoredAttentionSubmodules, FactoredSelfAttention
+from deinfer_megatron.layers.core_attention import SdpaCoreAttention
+from deinfer_megatron.layers.dense import CountedRowParallelLinear
+from deinfer_megatron.specs.layout import FACTOR_CLASSES, FactorClasses, Layout
+from deinfer_megatron.specs.rank_config import LayerRanks, RankConfig
+
+
+def _norm(config: Any) -> Any:
+    return LocalSpecProvider().layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=False)
+
+
+def _row(cls: type, number: int, prefix: str, **params: Any) -> ModuleSpec:
+    return ModuleSpec(module=cls, params={"layer_number": number, "prefix": prefix, **params})
+
+
+def _dense_attention(number: int) -> ModuleSpec:
+    return ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=DotProductAttention,
+            linear_proj=_row(CountedRowParallelLinear, number, f"{number}.linear_proj"),
+            q_layernorm=IdentityOp,
+            k_layernorm=IdentityOp,
+        ),
+    )
+
+
+def _factored_attention(classes: FactorClasses, ranks: Any, number: int) -> ModuleSpec:
+    return ModuleSpec(
+        module=FactoredSelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal, "ranks": ranks, "prefix": f"{number}"},
+        submodules=FactoredAttentionSubmodules(
+            linear_qkv_down=classes.qkv_down,
+            linear_q_up=classes.qkv_up,
+            linear_k_up=classes.qkv_up,
+            linear_v_up=classes.qkv_up,
+            core_attention=SdpaCoreAttention,
+            linear_proj=classes.row,
+        ),
+    )
+
+
+def _dense_mlp(number: int) -> ModuleSpec:
+    return ModuleSpec(
+        module=MLP,
+        submodules=MLPSubmodules(
+            linear_fc1=ColumnParallelLinear,
+            linear_fc2=_row(CountedRowParallelLinear, number, f"{number}.linear_fc2"),
+        ),
+    )
+
+
+def _factored_mlp(classes: FactorClasses, ranks: Any, number: int) -> ModuleSpec:
+    return ModuleSpec(
+        module=MLP,
+        submodules=MLPSubmodules(
+            linear_fc1=_row(classes.column, number, f"{number}.linear_fc1", ranks=ranks.up_sections),
+            linear_fc2=_row(classes.row, number, f"{number}.linear_fc2", ranks=(ranks.down,)),
+        ),
+    )
+
+
+def layer_spec(config: Any, ranks: LayerRanks, layout: Layout | str, layer_index: int) -> ModuleSpec:
+    """The ``TransformerLayer`` spec of global layer ``layer_index`` (0-based)."""
+    classes = FACTOR_CLASSES[Layout.parse(layout)]
+    number = layer_index + 1  # Megatron's layer_number
+    attn_ranks = ranks.attention if classes else None
+    mlp_ranks = ranks.mlp if classes else None
+    if attn_ranks is None and config.num_query_groups < config.tensor_model_parallel_size:
+        raise ValueError(
+            f"layer {layer_index}: dense attention needs TP ≤ the number of KV heads "
+            f"({config.num_query_groups}); decompose the layer's attention or lower --tp"
+        )
+    norm = _norm(config)
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=(
+                _dense_attention(number)
+                if attn_ranks is None
+                else _factored_attention(classes, attn_ranks, number)
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=_dense_mlp(number) if mlp_ranks is None else _factored_mlp(classes, mlp_ranks, number),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def decomposed_block_spec(
+    config: Any,
+    rank_config: RankConfig,
+    layout: Layout | str,
+    *,
+    pp_rank: int | None = None,
+) -> TransformerBlockSubmodules:
+    """The decoder-block spec of this pipeline stage for ``GPTModel``.
+
+    Args:
+        config: Megatron ``TransformerConfig`` of the whole model.
+        rank_config: validated ranks (``RankConfig.dense(arch)`` for a dense model).
+        layout: ``"deinfer"``, ``"naive"`` or ``"dense"``.
+        pp_rank: this stage's pipeline rank (Megatron's global state is read when omitted,
+            as ``get_gpt_decoder_block_spec`` does).
+    """
+    if len(rank_config.layers) != config.num_layers:
+        raise ValueError(
+            f"rank config describes {len(rank_config.layers)} layers, the model has {config.num_layers}"
+        )
+    offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
+    count = get_num_layers_to_build(config, pp_rank=pp_rank)
+    specs = [
+        layer_spec(config, rank_config.layers[i], layout, i) for i in range(offset, offset + count)
+    ]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=_norm(config))

@@ -1,0 +1,92 @@
+"""Tiny Hugging Face models with random low-rank factors, and their dense references.
+
+The reference for every parity test is an ordinary Hugging Face model whose decomposed
+matrices are replaced by ``U @ V`` multiplied out — computed in one process by transformers,
+independently of anything in deinfer_megatron.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import transformers
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, vocab_size=101, max_position_embeddings=128,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu",
+    ),
+    "qwen2": dict(
+        model_type="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, vocab_size=97, max_position_embeddings=128,
+        rms_norm_eps=1e-6, rope_theta=100000.0, tie_word_embeddings=True, hidden_act="silu",
+        use_sliding_window=False,
+    ),
+    "opt": dict(
+        model_type="opt", hidden_size=64, ffn_dim=96, num_hidden_layers=4, num_attention_heads=4,
+        vocab_size=99, max_position_embeddings=128, word_embed_proj_dim=64,
+        do_layer_norm_before=True, activation_function="relu", tie_word_embeddings=True,
+        enable_bias=True, dropout=0.0, attention_dropout=0.0,
+    ),
+}
+
+
+def hf_config(family: str, **overrides: Any) -> transformers.PretrainedConfig:
+    kw = {**TINY_CONFIGS[family], **overrides}
+    kw.pop("model_type")
+    return transformers.AutoConfig.for_model(family, **kw)
+
+
+def random_hf_model(family: str, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
+    torch.manual_seed(seed)
+    cfg = hf_config(family, **overrides)
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    with torch.no_grad():  # non-trivial norms and biases so that mistakes show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.05 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    return model.eval()
+
+
+def decompose_randomly(
+    model: transformers.PreTrainedModel, ranks: dict[str, int], seed: int = 1
+) -> dict[str, torch.Tensor]:
+    """Replace each module in ``ranks`` by random factors (u, v) and write ``W = U·V`` into the
+    Hugging Face model so it becomes the dense reference. Returns the decomposed state dict
+    (``<module>.u``/``<module>.v`` instead of ``<module>.weight``; biases kept)."""
+    gen = torch.Generator().manual_seed(seed)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    modules = dict(model.named_modules())
+    for name, r in ranks.items():
+        w = modules[name].weight
+        out_f, in_f = w.shape
+        u = torch.randn(out_f, r, generator=gen) / r**0.5 * 0.3
+        v = torch.randn(r, in_f, generator=gen) / in_f**0.5 * 3.0
+        with torch.no_grad():
+            w.copy_(u @ v)
+        del state[f"{name}.weight"]
+        state[f"{name}.u"], state[f"{name}.v"] = u, v
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def mixed_ranks(model: transformers.PreTrainedModel, layers: list[int], seed: int = 2) -> dict[str, int]:
+    """Variadic ranks (q, k, v, o; gate, up, down all differ) for the given layers."""
+    gen = torch.Generator().manual_seed(seed)
+    prefix = "model.decoder.layers" if model.config.model_type == "opt" else "model.layers"
+    out = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or not name.startswith(prefix):
+            continue
+        if int(name.split(".")[len(prefix.split("."))]) in layers:
+            hi = min(module.weight.shape)
+            out[name] = int(torch.randint(max(1, hi // 4), hi, (1,), generator=gen))
+    return out
