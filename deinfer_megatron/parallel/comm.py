@@ -23,6 +23,10 @@ import torch.distributed as dist
 from deinfer_megatron.parallel.topology import TPView
 
 
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 @dataclass(frozen=True)
 class CommRecord:
     """One collective as issued by one rank."""
@@ -101,7 +105,7 @@ def all_gather_last_dim(x: torch.Tensor, tp: TPView, *, site: str, layer: int) -
     group = _require_group(tp, "all-gather", site)
     x = x.contiguous()
     out = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather_flat(out, x, group=group)
     _record("all_gather", site, layer, tp.size * x.shape[-1], x)
     chunks = out.view(tp.size, *x.shape)
     return chunks.movedim(0, -2).reshape(*x.shape[:-1], tp.size * x.shape[-1])

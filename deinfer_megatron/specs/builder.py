@@ -96,17 +96,24 @@ def _factored_mlp(classes: FactorClasses, ranks: Any, number: int) -> ModuleSpec
     )
 
 
+def require_dense_attention_fits(num_kv_heads: int, tp: int, layer_index: int) -> None:
+    """Megatron's dense attention splits KV heads over ranks; fewer KV heads than ranks would
+    make Megatron-Core 0.16.1 all-gather the whole QKV, which this project does not serve."""
+    if num_kv_heads < tp:
+        raise ValueError(
+            f"layer {layer_index}: dense attention needs TP ≤ the number of KV heads "
+            f"({num_kv_heads}); decompose the layer's attention or lower --tp"
+        )
+
+
 def layer_spec(config: Any, ranks: LayerRanks, layout: Layout | str, layer_index: int) -> ModuleSpec:
     """The ``TransformerLayer`` spec of global layer ``layer_index`` (0-based)."""
     classes = FACTOR_CLASSES[Layout.parse(layout)]
     number = layer_index + 1  # Megatron's layer_number
     attn_ranks = ranks.attention if classes else None
     mlp_ranks = ranks.mlp if classes else None
-    if attn_ranks is None and config.num_query_groups < config.tensor_model_parallel_size:
-        raise ValueError(
-            f"layer {layer_index}: dense attention needs TP ≤ the number of KV heads "
-            f"({config.num_query_groups}); decompose the layer's attention or lower --tp"
-        )
+    if attn_ranks is None:
+        require_dense_attention_fits(config.num_query_groups, config.tensor_model_parallel_size, layer_index)
     norm = _norm(config)
     return ModuleSpec(
         module=TransformerLayer,

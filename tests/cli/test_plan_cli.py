@@ -1,0 +1,56 @@
+"""``deinfer-megatron plan`` as a user runs it: a model folder in, a table or JSON out."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from deinfer_megatron.cli.main import run
+from tests.helpers.tiny_models import TINY_CONFIGS
+
+
+@pytest.fixture()
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIGS["llama"]))
+    ranks = {f"model.layers.0.self_attn.{p}": 8 for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    (tmp_path / "rank_config.json").write_text(json.dumps(ranks))
+    return tmp_path
+
+
+def test_json_for_one_layout_uses_the_folder_rank_config(model_dir, capsys) -> None:
+    assert run(["plan", "--model", str(model_dir), "--tp", "2", "--layout", "deinfer", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["layout"] == "deinfer" and doc["tp"] == 2
+    first, second = doc["layers"][0], doc["layers"][1]
+    assert set(first) >= {"index", "kind", "collectives", "elements_per_token", "params_per_rank",
+                          "kv_bytes_per_token"}
+    assert first["kind"] == "attention-decomposed" and first["collectives"] == 3
+    assert first["elements_per_token"] == 24 + 8 + 64  # AG(q+k+v) + AR(r_o) + dense MLP AR(h)
+    assert second["kind"] == "dense" and second["elements_per_token"] == 128
+    assert doc["totals"]["collectives_per_token"] == 3 + 3 * 2
+
+
+def test_table_shows_all_layouts(model_dir, capsys) -> None:
+    assert run(["plan", "--model", str(model_dir), "--tp", "2", "--batch", "8", "--seq", "128"]) == 0
+    out = capsys.readouterr().out
+    for layout in ("dense", "naive", "deinfer"):
+        assert f"{layout}: " in out
+    assert "per forward of 8x128 tokens" in out
+
+
+def test_bad_inputs_are_one_line_errors(model_dir, tmp_path) -> None:
+    cases = [
+        (["plan", "--model", str(tmp_path / "nope")], "no config.json"),
+        (["plan", "--model", str(model_dir), "--tp", "3"], "valid TP sizes: 1, 2, 4, 8"),
+        (["plan", "--model", str(model_dir), "--pp", "5"], "--pp 5 must be between 1 and"),
+        (["plan", "--model", str(model_dir), "--rank-config", str(tmp_path / "x.json")], "does not exist"),
+    ]
+    for argv, message in cases:
+        proc = subprocess.run([sys.executable, "-m", "deinfer_megatron.cli.main", *argv],
+                              capture_output=True, text=True)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], proc.stderr
