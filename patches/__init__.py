@@ -1,15 +1,20 @@
 """Runtime shims that let Megatron-Core 0.16.1 and DeepSpeed 0.19.8 run on a CPU-only machine.
 
-``apply_all()`` is called once by the project before a model is built or a process group is
-initialised. Every shim checks for CUDA itself, so on a GPU machine nothing is patched.
+``apply_all()`` is called by the project before a model is built or a process group is
+initialised; ``deepspeed_cpu.apply()`` is called before DeepSpeed initialises (it imports
+DeepSpeed, so it is not paid for when DeepSpeed is not used). Every shim checks for CUDA
+itself: on a GPU machine nothing is patched.
 """
 
 from __future__ import annotations
+
+import sys
 
 from . import deepspeed_cpu, megatron_cpu
 
 
 def apply_all() -> None:
-    """Install every CPU shim (a no-op where CUDA is available, and when called twice)."""
+    """Install the CPU shims (no-op where CUDA is available, and when called twice)."""
     megatron_cpu.apply()
-    deepspeed_cpu.apply()
+    if "deepspeed" in sys.modules:
+        deepspeed_cpu.apply()

@@ -1,16 +1,14 @@
 """CPU shims for Megatron-Core 0.16.1.
 
-Megatron-Core assumes a CUDA device in a handful of places that sit on the inference path even
-when ``use_cpu_initialization=True``. Each shim below names the upstream function it covers and
-only changes behaviour on a machine without CUDA: on a GPU machine ``apply()`` patches nothing.
+Megatron-Core assumes a CUDA device in a handful of places on the inference path, even with
+``use_cpu_initialization=True``. Each shim below names the upstream functions it covers and
+is installed only on a machine without CUDA: on a GPU machine ``apply()`` patches nothing.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-from typing import Iterator
+import time
 
 import torch
 
@@ -19,80 +17,65 @@ log = logging.getLogger(__name__)
 _APPLIED = False
 
 
-class CpuRNGStatesTracker:
-    """Stand-in for ``megatron.core.tensor_parallel.random.CudaRNGStatesTracker``.
+class CpuTimingEvent:
+    """Stand-in for ``torch.cuda.Event(enable_timing=True)``.
 
-    Covers ``CudaRNGStatesTracker.add``/``fork`` (used by dropout in ``DotProductAttention`` and
-    ``LanguageModelEmbedding``, and seeded by ``model_parallel_cuda_manual_seed``), which read and
-    write the CUDA generator. Here each named state is a CPU generator state, so a forked region
-    draws from its own reproducible stream exactly as on GPU.
+    Covers the per-step timing events of
+    ``TextGenerationController.generate_all_output_tokens_static_batch``: ``record`` reads the
+    wall clock, ``elapsed_time`` answers in milliseconds like a CUDA event.
     """
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        self.reset()
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self._t = 0.0
 
-    def reset(self) -> None:
-        self.states_: dict[str, torch.Tensor] = {}
-        self.seeds_: set[int] = set()
-        self._is_initialized = False
+    def record(self, stream: object = None) -> None:
+        self._t = time.perf_counter()
 
-    def is_initialized(self) -> bool:
-        return self._is_initialized
+    def synchronize(self) -> None:
+        return None
 
-    def get_states(self) -> dict[str, torch.Tensor]:
-        return dict(self.states_)
+    def wait(self, stream: object = None) -> None:
+        return None
 
-    def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        self._is_initialized = True
-        self.states_ = dict(states)
+    def query(self) -> bool:
+        return True
 
-    def add(self, name: str, seed: int) -> None:
-        self._is_initialized = True
-        if seed in self.seeds_:
-            raise RuntimeError(f"rng seed {seed} already exists")
-        if name in self.states_:
-            raise RuntimeError(f"rng state {name} already exists")
-        self.seeds_.add(seed)
-        gen = torch.Generator()
-        gen.manual_seed(seed)
-        self.states_[name] = gen.get_state()
-
-    @contextlib.contextmanager
-    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
-        if name not in self.states_:
-            # Inference never draws from these streams (dropout is 0); a missing state must not
-            # make a CPU run fail where a GPU run with a seeded tracker would not.
-            self.add(name, 2718 + len(self.states_))
-        saved = torch.get_rng_state()
-        torch.set_rng_state(self.states_[name])
-        try:
-            yield
-        finally:
-            self.states_[name] = torch.get_rng_state()
-            torch.set_rng_state(saved)
+    def elapsed_time(self, end: "CpuTimingEvent") -> float:
+        return (end._t - self._t) * 1e3
 
 
 def _cpu_current_device() -> torch.device:
-    """Covers ``torch.cuda.current_device`` as used for placement by Megatron-Core
-    (``RotaryEmbedding.get_emb``/``_apply_scaling``, ``DotProductAttention.__init__``,
-    ``GPTModel._preprocess``, ``Attention._allocate_memory``)."""
+    """Covers ``torch.cuda.current_device`` used for placement in ``RotaryEmbedding.get_emb``,
+    ``Attention._allocate_memory`` (static KV cache), ``GPTModel._preprocess``,
+    ``inference.utils.get_attention_mask``, ``TextGenerationController.__init__`` (its sampling
+    generator) and ``generate_all_output_tokens_static_batch``, ``_gather_along_last_dim``,
+    and the pipeline receive buffers of the inference wrappers."""
     return torch.device("cpu")
 
 
-@functools.lru_cache(maxsize=None)
 def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
-    """Covers ``megatron.core.transformer.utils.get_default_causal_mask`` (builds on "cuda")."""
+    """Covers ``megatron.core.transformer.utils.get_default_causal_mask`` (builds on "cuda").
+
+    Deliberately not cached: a mask built under ``torch.inference_mode()`` is an inference
+    tensor and could not be reused by a later forward with autograd enabled."""
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
 def _cpu_tensor_cuda(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-    """Covers ``torch.Tensor.cuda`` as called by ``rope_utils._get_pos_emb_on_this_cp_rank``
-    and the static inference controller: on CPU the tensor already is where it must be."""
+    """Covers ``Tensor.cuda`` in ``generate_all_output_tokens_static_batch``,
+    ``LanguageModule.setup_embeddings_and_output_layer`` (PP > 1, tied embeddings) and
+    ``rope_utils.get_pos_emb_on_this_cp_rank``: on CPU the tensor already is where it goes."""
     return self
 
 
+def _tensor_present(tensor: torch.Tensor | None) -> None:
+    """Covers ``inference.communication_utils._is_cuda``, which asserts ``tensor.is_cuda`` in
+    ``broadcast_from_last_pipeline_stage``; on CPU only presence can be required."""
+    assert tensor is not None, "expected a tensor on the last pipeline stage"
+
+
 def apply() -> bool:
-    """Install the shims when CUDA is absent; return whether anything was patched."""
+    """Install the shims when CUDA is absent; return whether they are installed."""
     global _APPLIED
     if _APPLIED:
         return True
@@ -100,23 +83,26 @@ def apply() -> bool:
         return False
 
     from megatron.core.fusions import fused_softmax
+    from megatron.core.inference import communication_utils
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer import utils as mcore_utils
 
     torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
     torch.Tensor.cuda = _cpu_tensor_cuda  # type: ignore[method-assign]
-    # torch.cuda.synchronize: covers the CUDA syncs in
-    # TextGenerationController.generate_all_output_tokens_static_batch.
+    torch.cuda.Event = CpuTimingEvent  # type: ignore[assignment,misc]
+    # Covers the syncs in communication_utils.recv_from_prev_pipeline_rank_ and
+    # send_to_next_pipeline_rank (pipeline-parallel inference).
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
 
     # fused_softmax imports the function by name, so both bindings are replaced.
     mcore_utils.get_default_causal_mask = _cpu_default_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+    communication_utils._is_cuda = _tensor_present
 
-    # get_cuda_rng_tracker / initialize_rng_tracker: install the CPU tracker once.
-    mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
-    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker
+    # Not a monkeypatch: Megatron's own inference RNG tracker, whose fork() is a no-op. Covers
+    # get_cuda_rng_tracker().fork() in DotProductAttention.forward and
+    # model_parallel_cuda_manual_seed, which read and write the CUDA generator.
+    mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
     _APPLIED = True
     log.debug("Megatron-Core CPU shims applied")

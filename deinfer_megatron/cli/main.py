@@ -19,9 +19,15 @@ _QUIET = "ignore::UserWarning:megatron"
 os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), _QUIET]))
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron(\.|$)")
 
-from deinfer_megatron.cli import demo_cmd, plan_cmd  # noqa: E402
+from deinfer_megatron.cli import (  # noqa: E402
+    decompose_cmd,
+    demo_cmd,
+    eval_cmd,
+    fetch_cmd,
+    plan_cmd,
+)
 
-COMMANDS = (plan_cmd, demo_cmd)
+COMMANDS = (fetch_cmd, decompose_cmd, plan_cmd, eval_cmd, demo_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ them. Megatron's ``GPTModel`` is used as is; only the decoder-block spec is ours
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -99,6 +100,17 @@ def build_stage(
         num_local_layers=get_num_layers_to_build(config, pp_rank=groups.pp_rank),
         padded_vocab=vocab,
     )
+
+
+def load_folder(path: str | Path, layout: Layout | str, groups: ParallelGroups, *,
+                dtype: torch.dtype = torch.float32) -> Stage:
+    """Open a model folder (dense or decomposed; manifest verified) and load this rank's stage."""
+    from deinfer_megatron.checkpoints.folder import open_model
+
+    folder = open_model(path)
+    stage = build_stage(folder.arch, folder.rank_config, layout, groups, dtype=dtype)
+    load_weights(stage, folder.source, folder.rank_config)
+    return stage
 
 
 def load_weights(stage: Stage, source: Mapping[str, Any], source_ranks: RankConfig) -> None:

@@ -90,3 +90,36 @@ def mixed_ranks(model: transformers.PreTrainedModel, layers: list[int], seed: in
             hi = min(module.weight.shape)
             out[name] = int(torch.randint(max(1, hi // 4), hi, (1,), generator=gen))
     return out
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def smollm2_dir():
+    """The converted embedded SmolLM2 folder (cached after the first conversion)."""
+    from deinfer_megatron.checkpoints.embedded import fetch_model
+
+    return fetch_model("smollm2-135m")
+
+
+def save_tiny_folder(family: str, path, seed: int = 0, **overrides: Any):
+    """A tiny random Hugging Face model folder that shares SmolLM2's tokenizer (so that text
+    can be fed to it); returns the model (eval mode, float32)."""
+    import shutil
+    from pathlib import Path
+
+    src = smollm2_dir()
+    tok = {"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2}
+    model = random_hf_model(family, seed=seed, **{**tok, **overrides})
+    model.save_pretrained(path, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copy2(Path(src) / name, Path(path) / name)
+    return model
+
+
+def full_ranks(model: transformers.PreTrainedModel) -> dict[str, int]:
+    """Every decoder linear at rank min(out, in): a lossless decomposition."""
+    prefix = "model.decoder.layers" if model.config.model_type == "opt" else "model.layers"
+    return {n: min(m.weight.shape) for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and n.startswith(prefix)}

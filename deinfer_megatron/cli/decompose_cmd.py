@@ -1,0 +1,38 @@
+"""``deinfer-megatron decompose``: a dense model in, a decomposed model folder out."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from deinfer_megatron.decompose.job import METHODS, DecomposeJob, run_decompose
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("decompose", help="factorise a dense model into W ≈ U·V")
+    p.add_argument("--model", type=Path, required=True, help="Hugging Face folder or Megatron checkpoint")
+    p.add_argument("--method", choices=METHODS, required=True)
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--ratio", type=float, help="fraction of the linear parameters kept, in (0, 1]")
+    budget.add_argument("--rank-config", type=Path, help="explicit ranks (JSON: module → rank)")
+    p.add_argument("--allocation", choices=("uniform", "variadic"), default="uniform")
+    calib = p.add_mutually_exclusive_group()
+    calib.add_argument("--calib-text", type=Path, help="calibration text file")
+    calib.add_argument("--calib-self", type=int, metavar="N", help="calibrate on N self-sampled sequences")
+    p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (text)")
+    p.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration sequence")
+    p.add_argument("--layers", help="layers to decompose, e.g. '0-9,12' (default: all)")
+    p.add_argument("--no-sequential", dest="sequential", action="store_false",
+                   help="take every statistic from the dense model (one-shot)")
+    p.add_argument("--out", type=Path, help="output folder (default: beside the model)")
+    p.add_argument("--tokenizer", type=Path, help="tokenizer folder (needed for Megatron checkpoints)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(make_config=lambda a: DecomposeJob(
+        a.model, a.method, a.ratio, a.rank_config, a.allocation, a.calib_text, a.calib_self,
+        a.calib_tokens, a.calib_seq_len, a.layers, a.sequential, a.out, a.tokenizer, a.seed), run=main)
+
+
+def main(job: DecomposeJob) -> int:
+    out = run_decompose(job)
+    print(out)
+    return 0

@@ -1,0 +1,37 @@
+"""``deinfer-megatron eval-ppl``: perplexity of a model over a text, in any layout and TP/PP."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from deinfer_megatron.evaluation.perplexity import PerplexityJob, evaluate
+from deinfer_megatron.specs.layout import Layout
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval-ppl", help="perplexity over non-overlapping windows of a text")
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--text", type=Path, required=True)
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--layout", choices=[m.value for m in Layout], default="deinfer")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(make_config=lambda a: (PerplexityJob(
+        a.model, a.text, a.max_tokens, a.window, a.tp, a.pp, a.layout), a.json), run=main)
+
+
+def main(cfg: tuple[PerplexityJob, bool]) -> int:
+    job, as_json = cfg
+    result = evaluate(job)
+    if result is None:  # a rank other than 0 inside a launcher: rank 0 reports
+        return 0
+    if as_json:
+        print(json.dumps(result))
+    else:
+        print(f"perplexity {result['ppl']:.4f} over {result['tokens']} tokens in {result['windows']} "
+              f"windows ({job.layout}, TP={job.tp}, PP={job.pp})")
+    return 0

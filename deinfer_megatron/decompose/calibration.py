@@ -1,0 +1,150 @@
+"""Calibration data and layer-by-layer activation statistics on a Hugging Face model.
+
+The model is run one decoder layer at a time over stored hidden states, so that a layer's
+statistics can come from the *already decomposed* layers before it (sequential calibration)
+at the cost of one pass per layer, not one whole-model pass per layer. Statistics are
+accumulated while the data streams through (Gram matrix ``XᵀX`` and mean ``|x|`` per linear
+input), so memory is bounded by one ``in × in`` matrix per captured linear plus the hidden
+states of the calibration tokens.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+
+class StopForward(Exception):
+    """Raised by a capture hook once the last needed input is seen: the rest of the layer
+    would be computed for nothing."""
+
+
+class InputStats:
+    """Running ``XᵀX`` (float64) and ``Σ|x|`` of one linear layer's input."""
+
+    def __init__(self, features: int) -> None:
+        self.gram = torch.zeros(features, features, dtype=torch.float64)
+        self.abs_sum = torch.zeros(features, dtype=torch.float64)
+        self.rows = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).double()
+        self.gram.addmm_(x.T, x)
+        self.abs_sum += x.abs().sum(0)
+        self.rows += x.shape[0]
+
+    @property
+    def abs_mean(self) -> torch.Tensor:
+        return self.abs_sum / max(self.rows, 1)
+
+
+# ------------------------------------------------------------------------------ data sources
+
+
+def text_windows(tokenizer: Any, path: str | Path, *, seq_len: int, max_tokens: int) -> torch.Tensor:
+    """Non-overlapping ``[n, seq_len]`` token windows from a text file (at most ``max_tokens``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"calibration text {path} does not exist")
+    # Reading a bounded prefix keeps tokenisation cheap on large files.
+    text = path.read_text(encoding="utf-8", errors="replace")[: max_tokens * 12]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    n = min(len(ids), max_tokens) // seq_len
+    if n == 0:
+        raise ValueError(
+            f"calibration text {path} has {len(ids)} tokens, fewer than one window of {seq_len}; "
+            "give a longer file or a smaller --calib-seq-len"
+        )
+    return torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+
+
+def self_samples(model: nn.Module, bos_id: int, *, n: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+    """``n`` sequences the model samples itself from its BOS token (temperature 1): calibration
+    data without any external text."""
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.full((n, 1), bos_id, dtype=torch.long)
+    past = None
+    step_input = out
+    with torch.no_grad():
+        for _ in range(seq_len - 1):
+            res = model(step_input, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            probs = torch.softmax(res.logits[:, -1].float(), dim=-1)
+            step_input = torch.multinomial(probs, 1, generator=gen)
+            out = torch.cat([out, step_input], dim=1)
+    return out
+
+
+# ---------------------------------------------------------------------------- layer runner
+
+
+class LayerRunner:
+    """Runs the decoder layers of a LLaMA/Qwen2/OPT ``*ForCausalLM`` one at a time."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.opt = model.config.model_type == "opt"
+        self.core = model.model.decoder if self.opt else model.model
+        self.layers: Sequence[nn.Module] = self.core.layers
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.core.embed_tokens(ids)
+        if self.opt:  # learned positions, offset 2 as in OPTLearnedPositionalEmbedding
+            hidden = hidden + self.core.embed_positions.weight[torch.arange(ids.shape[1]) + 2]
+        return hidden
+
+    def _kwargs(self, hidden: torch.Tensor) -> dict[str, Any]:
+        if self.opt:
+            return {}
+        pos = torch.arange(hidden.shape[1]).unsqueeze(0)
+        return {"position_ids": pos, "position_embeddings": self.core.rotary_emb(hidden, pos)}
+
+    def run_layer(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Layer ``index`` on ``[b, s, h]`` (causal; no mask needed without padding)."""
+        out = self.layers[index](hidden, attention_mask=None, **self._kwargs(hidden))
+        return out[0] if isinstance(out, tuple) else out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        norm = self.core.final_layer_norm if self.opt else self.core.norm
+        return self.model.lm_head(norm(hidden))
+
+
+@contextmanager
+def capture(linears: dict[str, nn.Linear], stop_after: str | None = None) -> Iterator[dict[str, InputStats]]:
+    """Accumulate the inputs of ``linears`` while the block runs; raise ``StopForward`` after
+    ``stop_after``'s input is recorded (callers catch it)."""
+    stats = {name: InputStats(lin.in_features) for name, lin in linears.items()}
+    handles = []
+    for name, lin in linears.items():
+        def hook(_mod: nn.Module, args: tuple, name: str = name) -> None:
+            stats[name].add(args[0].detach())
+            if name == stop_after:
+                raise StopForward
+
+        handles.append(lin.register_forward_pre_hook(hook))
+    try:
+        yield stats
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def collect(
+    runner: LayerRunner,
+    index: int,
+    hidden: Sequence[torch.Tensor],
+    linears: dict[str, nn.Linear],
+    stop_after: str | None = None,
+) -> dict[str, InputStats]:
+    """Run layer ``index`` over every stored batch and return the input statistics."""
+    with capture(linears, stop_after) as stats, torch.no_grad():
+        for h in hidden:
+            try:
+                runner.run_layer(index, h)
+            except StopForward:
+                pass
+    return stats

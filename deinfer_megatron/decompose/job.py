@@ -1,0 +1,165 @@
+"""The ``decompose`` job: dense model folder (or Megatron checkpoint) in, decomposed folder out."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deinfer_megatron.checkpoints.folder import write_decomposed
+from deinfer_megatron.decompose.allocation import check_ratio
+from deinfer_megatron.decompose.calibration import self_samples, text_windows
+from deinfer_megatron.decompose.run import Plan, decompose_model, decomposed_state
+from deinfer_megatron.models.arch import ModelArch, arch_from_hf_config
+from deinfer_megatron.specs.rank_config import RankConfig
+
+log = logging.getLogger(__name__)
+METHODS = ("svd", "asvd", "svd-llm")
+
+
+@dataclass(frozen=True)
+class DecomposeJob:
+    model: Path
+    method: str
+    ratio: float | None = None
+    rank_config: Path | None = None
+    allocation: str = "uniform"
+    calib_text: Path | None = None
+    calib_self: int | None = None
+    calib_tokens: int = 4096
+    calib_seq_len: int = 256
+    layers: str | None = None
+    sequential: bool = True
+    out: Path | None = None
+    tokenizer: Path | None = None
+    seed: int = 0
+
+
+def parse_layers(spec: str, num_layers: int) -> frozenset[int]:
+    """``"0-9,12"`` → {0..9, 12}; every index must exist."""
+    out: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"--layers {spec!r} is not a list of layers like '0-9,12'") from None
+    bad = sorted(i for i in out if not 0 <= i < num_layers)
+    if bad or not out:
+        raise ValueError(f"--layers {spec!r} names layers outside 0..{num_layers - 1}")
+    return frozenset(out)
+
+
+def _load_dense(job: DecomposeJob) -> tuple[Any, dict[str, Any], Path | None]:
+    """(Hugging Face model in float32, its config dict, the folder holding its tokenizer)."""
+    import transformers
+
+    from deinfer_megatron.checkpoints.megatron_ckpt import detect_megatron_checkpoint, read_megatron_checkpoint
+
+    if detect_megatron_checkpoint(job.model) is not None:
+        if job.tokenizer is None:
+            raise ValueError("a Megatron checkpoint has no Hugging Face tokenizer: pass --tokenizer DIR")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(job.tokenizer)
+        config, state = read_megatron_checkpoint(job.model, vocab_size=len(tokenizer))
+        hf_config = transformers.AutoConfig.for_model(**config)
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+        model.load_state_dict(state, strict=not config.get("tie_word_embeddings", False))
+        if config.get("tie_word_embeddings"):
+            model.tie_weights()
+        return model.float().eval(), config, job.tokenizer
+    config_path = job.model / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"{job.model} is neither a Hugging Face model folder (config.json) nor a Megatron checkpoint"
+        )
+    config = json.loads(config_path.read_text())
+    arch_from_hf_config(config)  # unsupported architectures fail here, with the supported list
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        job.model, attn_implementation="sdpa", dtype=torch.float32
+    )
+    return model.eval(), config, job.tokenizer or job.model
+
+
+def _calibration(job: DecomposeJob, model: Any, tokenizer_dir: Path | None, arch: ModelArch) -> tuple[torch.Tensor | None, dict]:
+    needs_data = job.method != "svd" or (job.allocation == "variadic" and job.rank_config is None)
+    if not needs_data:
+        return None, {"source": "none"}
+    if job.calib_text is not None:
+        import transformers
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+        ids = text_windows(tokenizer, job.calib_text, seq_len=job.calib_seq_len, max_tokens=job.calib_tokens)
+        return ids, {"source": f"text:{job.calib_text.name}", "tokens": ids.numel(), "seq_len": job.calib_seq_len}
+    if job.calib_self is not None:
+        if arch.bos_token_id is None:
+            raise ValueError("the model config has no bos_token_id to sample from; use --calib-text")
+        ids = self_samples(model, arch.bos_token_id, n=job.calib_self, seq_len=job.calib_seq_len, seed=job.seed)
+        return ids, {"source": f"self:{job.calib_self}", "tokens": ids.numel(), "seq_len": job.calib_seq_len}
+    if job.method == "svd":
+        return None, {"source": "none"}  # variadic svd ranks from plain singular values
+    raise ValueError(f"{job.method} needs calibration data: pass --calib-text FILE or --calib-self N")
+
+
+def _validate(job: DecomposeJob) -> None:
+    if job.method not in METHODS:
+        raise ValueError(f"unknown --method {job.method!r}; choose one of {', '.join(METHODS)}")
+    if (job.ratio is None) == (job.rank_config is None):
+        raise ValueError("give exactly one of --ratio R or --rank-config FILE")
+    if job.ratio is not None:
+        check_ratio(job.ratio)
+    if job.rank_config is not None and job.layers is not None:
+        raise ValueError("--layers selects layers for --ratio; a --rank-config already lists its modules")
+    if job.allocation not in ("uniform", "variadic"):
+        raise ValueError(f"unknown --allocation {job.allocation!r}; choose uniform or variadic")
+    if job.calib_text is not None and job.calib_self is not None:
+        raise ValueError("give at most one of --calib-text and --calib-self")
+    if job.calib_tokens < job.calib_seq_len:
+        raise ValueError(f"--calib-tokens {job.calib_tokens} is less than one window of {job.calib_seq_len}")
+
+
+def default_out(job: DecomposeJob) -> Path:
+    tag = f"r{job.ratio:g}-{job.allocation}" if job.ratio is not None else job.rank_config.stem
+    return job.model.parent / f"{job.model.name}-{job.method}-{tag}"
+
+
+def run_decompose(job: DecomposeJob) -> Path:
+    """Decompose ``job.model`` and write the folder; returns its path."""
+    _validate(job)
+    torch.manual_seed(job.seed)
+    start = time.perf_counter()
+    model, config, tokenizer_dir = _load_dense(job)
+    arch = arch_from_hf_config(config)
+    explicit = RankConfig.load(job.rank_config, arch).modules if job.rank_config else None
+    layers = parse_layers(job.layers, arch.num_layers) if job.layers else frozenset(range(arch.num_layers))
+    calib, calib_info = _calibration(job, model, tokenizer_dir, arch)
+    plan = Plan(job.method, explicit, job.ratio, job.allocation, layers, job.sequential)
+    ranks, factors = decompose_model(model, arch, plan, calib)
+    rank_config = RankConfig.from_mapping(ranks, arch)
+    tensors = decomposed_state(model, factors, arch.tied_embeddings)
+    shapes = arch.linear_shapes()
+    kept = sum(r * sum(shapes[n]) for n, r in ranks.items()) / max(1, sum(m * k for n, (m, k) in shapes.items() if n in ranks))
+    out = job.out or default_out(job)
+    write_decomposed(
+        out,
+        config=config,
+        tensors=tensors,
+        rank_config=rank_config,
+        tokenizer_dir=tokenizer_dir,
+        metadata={
+            "method": job.method,
+            "ratio": job.ratio,
+            "allocation": job.allocation if job.rank_config is None else "rank-config",
+            "sequential": job.sequential,
+            "calibration": calib_info,
+            "layers": sorted(layers),
+            "kept_fraction_of_decomposed": round(kept, 6),
+            "source_model": str(job.model),
+        },
+    )
+    log.info("decomposed %d matrices in %.1f s → %s", len(ranks), time.perf_counter() - start, out)
+    return out

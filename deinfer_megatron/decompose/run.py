@@ -1,0 +1,163 @@
+"""Decompose a dense model into ``W ≈ U·V`` factors and write a decomposed model folder.
+
+Order of work, per layer: (1) the statistics of the inputs of q/k/v, then o, then gate/up,
+then down are collected *sequentially* — each from the layer with its earlier matrices already
+replaced by their factor products, and from hidden states produced by the already-decomposed
+earlier layers — so that errors do not compound unseen; (2) each matrix is factorised by the
+chosen method at its rank; (3) the decomposed layer produces the next layer's input.
+``sequential=False`` instead takes every statistic from the dense model (one-shot).
+
+Ranks come from a rank config, or from ``ratio`` with the uniform or variadic rule; the
+variadic rule first measures every matrix's truncation loss on the dense model.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from deinfer_megatron.decompose.allocation import uniform_rank, variadic_ranks
+from deinfer_megatron.decompose.calibration import InputStats, LayerRunner, capture, collect
+from deinfer_megatron.decompose.factorize import prepare
+from deinfer_megatron.models.arch import ModelArch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to decompose and how."""
+
+    method: str  # "svd" | "asvd" | "svd-llm"
+    ranks: Mapping[str, int] | None  # explicit ranks, or None to allocate from ratio
+    ratio: float | None
+    allocation: str  # "uniform" | "variadic"
+    layers: frozenset[int]  # layers whose matrices are decomposed (with ratio)
+    sequential: bool = True
+
+
+def _groups(arch: ModelArch, layer: int) -> list[list[str]]:
+    """Matrices of one layer that read the same input, in the order the layer runs them."""
+    attn, mlp = arch.attention_modules(layer), arch.mlp_modules(layer)
+    if arch.family == "opt":
+        return [[attn["q"], attn["k"], attn["v"]], [attn["o"]], [mlp["fc1"]], [mlp["fc2"]]]
+    return [[attn["q"], attn["k"], attn["v"]], [attn["o"]], [mlp["gate"], mlp["up"]], [mlp["down"]]]
+
+
+def _stats_args(method: str, stats: InputStats | None) -> dict[str, Any]:
+    if method == "svd" or stats is None:
+        return {}
+    return {"gram": stats.gram, "abs_mean": stats.abs_mean}
+
+
+def _layer_stats(
+    runner: LayerRunner, layer: int, hidden: list[torch.Tensor], groups: list[list[str]], modules: Mapping[str, nn.Module]
+) -> tuple[dict[str, InputStats], list[torch.Tensor]]:
+    """One pass of the (unchanged) layer: input statistics of every group, and its outputs."""
+    firsts = {g[0]: modules[g[0]] for g in groups}
+    outputs: list[torch.Tensor] = []
+    with torch.no_grad(), capture(firsts) as stats:
+        for h in hidden:
+            outputs.append(runner.run_layer(layer, h))
+    return {name: stats[g[0]] for g in groups for name in g}, outputs
+
+
+def measure_losses(
+    model: nn.Module, arch: ModelArch, method: str, targets: Iterable[str], hidden: list[torch.Tensor] | None
+) -> dict[str, torch.Tensor]:
+    """Truncation-loss curves of every target matrix on the dense model (one-shot statistics)."""
+    modules = dict(model.named_modules())
+    targets = set(targets)
+    runner = LayerRunner(model) if hidden is not None else None
+    losses: dict[str, torch.Tensor] = {}
+    for layer in tqdm(range(arch.num_layers), desc="measuring spectra", leave=False):
+        groups = [g for g in _groups(arch, layer) if g[0] in targets]
+        stats: dict[str, InputStats] = {}
+        if runner is not None and hidden is not None:
+            stats, hidden = _layer_stats(runner, layer, hidden, _groups(arch, layer), modules)
+        for group in groups:
+            for name in group:
+                prepared = prepare(modules[name].weight, method, **_stats_args(method, stats.get(name)))
+                losses[name] = prepared.truncation_loss()
+    return losses
+
+
+def allocate(plan: Plan, arch: ModelArch, losses: Callable[[], dict[str, torch.Tensor]]) -> dict[str, int]:
+    """The rank of every matrix to decompose."""
+    if plan.ranks is not None:
+        return dict(plan.ranks)
+    assert plan.ratio is not None, "a plan without ranks has a ratio"
+    shapes = {n: s for n, s in arch.linear_shapes().items()
+              if int(n[len(arch.layer_prefix) + 1 :].split(".")[0]) in plan.layers}
+    if plan.allocation == "uniform":
+        return {n: uniform_rank(*s, plan.ratio) for n, s in shapes.items()}
+    return variadic_ranks(losses(), shapes, plan.ratio)
+
+
+def decompose_model(
+    model: nn.Module, arch: ModelArch, plan: Plan, calib: torch.Tensor | None, *, batch: int = 8
+) -> tuple[dict[str, int], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Factorise ``model`` in place (its weights become ``U·V``) and return ranks and factors.
+
+    Args:
+        calib: ``[n, seq]`` calibration token ids (None for plain ``svd`` with uniform ranks).
+    """
+    runner = LayerRunner(model) if calib is not None else None
+    embed = (lambda: [runner.embed(c) for c in calib.split(batch)]) if runner else (lambda: None)
+    with torch.no_grad():
+        ranks = allocate(
+            plan, arch,
+            lambda: measure_losses(model, arch, plan.method, _targets(arch, plan), embed()),
+        )
+        hidden = embed()
+    modules = dict(model.named_modules())
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for layer in tqdm(range(arch.num_layers), desc=f"decomposing ({plan.method})"):
+        groups = [g for g in _groups(arch, layer) if g[0] in ranks]
+        one_shot: dict[str, InputStats] = {}
+        if runner is not None and hidden is not None and not plan.sequential:
+            one_shot, next_hidden = _layer_stats(runner, layer, hidden, _groups(arch, layer), modules)
+        for group in groups:
+            stats = one_shot.get(group[0])
+            if runner is not None and hidden is not None and plan.sequential:
+                first = group[0]
+                stats = collect(runner, layer, hidden, {first: modules[first]}, stop_after=first)[first]
+            for name in group:
+                lin = modules[name]
+                u, v = prepare(lin.weight, plan.method, **_stats_args(plan.method, stats)).factors(
+                    ranks[name], dtype=lin.weight.dtype
+                )
+                factors[name] = (u, v)
+                with torch.no_grad():
+                    lin.weight.copy_(u @ v)
+        if runner is not None and hidden is not None:
+            if plan.sequential:
+                with torch.no_grad():
+                    hidden = [runner.run_layer(layer, h) for h in hidden]
+            else:
+                hidden = next_hidden
+    return ranks, factors
+
+
+def _targets(arch: ModelArch, plan: Plan) -> list[str]:
+    prefix = len(arch.layer_prefix) + 1
+    return [n for n in arch.linear_shapes() if int(n[prefix:].split(".")[0]) in plan.layers]
+
+
+def decomposed_state(
+    model: nn.Module, factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]], tied: bool
+) -> dict[str, torch.Tensor]:
+    """Hugging Face names: dense weights as they are, decomposed ones as ``.u``/``.v``."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        module, _, leaf = name.rpartition(".")
+        if module in factors and leaf == "weight":
+            out[f"{module}.u"], out[f"{module}.v"] = factors[module]
+        elif not (tied and name == "lm_head.weight"):
+            out[name] = tensor.detach().clone()
+    return out

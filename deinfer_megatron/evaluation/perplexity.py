@@ -1,0 +1,90 @@
+"""Perplexity of a (decomposed) model over non-overlapping windows of a text, computed by the
+Megatron model in the chosen layout and parallel sizes.
+
+Every rank tokenises the same text and runs the same windows; the last pipeline stage turns
+the logits into summed negative log-likelihoods and the result is broadcast, so that global
+rank 0 reports it whatever the pipeline layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from deinfer_megatron.launch.run import run_on_ranks
+
+
+@dataclass(frozen=True)
+class PerplexityJob:
+    model: Path
+    text: Path
+    max_tokens: int = 4096
+    window: int = 512
+    tp: int = 1
+    pp: int = 1
+    layout: str = "deinfer"
+    batch: int = 4
+
+
+def token_windows(model: Path, text: Path, max_tokens: int, window: int) -> torch.Tensor:
+    """``[n, window]`` token ids: the first ``max_tokens`` tokens of ``text``, cut evenly."""
+    import transformers
+
+    if window < 2:
+        raise ValueError(f"--window must be at least 2 tokens, got {window}")
+    if not Path(text).is_file():
+        raise FileNotFoundError(f"text file {text} does not exist")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    content = Path(text).read_text(encoding="utf-8", errors="replace")[: max_tokens * 16]
+    ids = tokenizer(content, add_special_tokens=False)["input_ids"][:max_tokens]
+    n = len(ids) // window
+    if n == 0:
+        raise ValueError(
+            f"{text} gives {len(ids)} tokens, fewer than one window of {window}; "
+            "use a longer text or a smaller --window"
+        )
+    return torch.tensor(ids[: n * window]).view(n, window)
+
+
+def _rank(job: PerplexityJob) -> dict:
+    from deinfer_megatron.models.build import load_folder
+    from deinfer_megatron.parallel.pipeline import broadcast_from_last_stage, stage_forward
+    from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+
+    windows = token_windows(job.model, job.text, job.max_tokens, job.window)
+    groups = init_parallel(job.tp, job.pp)
+    try:
+        stage = load_folder(job.model, job.layout, groups)
+        total = torch.zeros(2, dtype=torch.float64)  # summed NLL, predicted tokens
+        for batch in windows.split(job.batch):
+            pos = torch.arange(batch.shape[1]).expand_as(batch)
+            logits = stage_forward(stage, batch, pos)
+            if logits is not None:
+                nll = F.cross_entropy(
+                    logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                    batch[:, 1:].reshape(-1),
+                    reduction="sum",
+                )
+                total += torch.tensor([nll.item(), batch[:, 1:].numel()], dtype=torch.float64)
+        total = broadcast_from_last_stage(stage, total if groups.is_last_stage else None, total)
+    finally:
+        shutdown()
+    nll, count = total.tolist()
+    return {"ppl": math.exp(nll / count), "tokens": int(count), "windows": int(windows.shape[0])}
+
+
+def evaluate(job: PerplexityJob) -> dict | None:
+    """Perplexity of ``job.model`` on ``job.text``; None on ranks that do not report."""
+    from deinfer_megatron.models.arch import load_arch
+    from deinfer_megatron.models.build import check_parallel_sizes
+
+    check_parallel_sizes(load_arch(job.model), job.tp, job.pp)
+    token_windows(job.model, job.text, job.max_tokens, job.window)  # fail fast, before ranks start
+    result = run_on_ranks(job.tp * job.pp, _rank, job)
+    if result is None:
+        return None
+    return {**result, "model": str(job.model), "layout": job.layout, "tp": job.tp, "pp": job.pp}

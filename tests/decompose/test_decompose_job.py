@@ -1,0 +1,119 @@
+"""``decompose`` end to end on tiny LLaMA / Qwen2 / OPT folders, checked against transformers."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deinfer_megatron.checkpoints.folder import open_model
+from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
+from deinfer_megatron.evaluation.perplexity import PerplexityJob, evaluate, token_windows
+from tests.helpers.tiny_models import full_ranks, save_tiny_folder
+
+AUSTEN = Path(__file__).resolve().parents[3] / "shared" / "data" / "text" / "austen"
+CALIB, EVAL = AUSTEN / "prideprejudice.txt", AUSTEN / "emma.txt"
+
+
+def hf_perplexity(model, windows: torch.Tensor) -> float:
+    with torch.no_grad():
+        logits = model(windows).logits[:, :-1]
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
+    return math.exp(nll.item())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "opt"])
+def test_full_rank_reproduces_dense_logits_and_perplexity(family: str, tmp_path: Path) -> None:
+    dense_dir = tmp_path / "dense"
+    hf = save_tiny_folder(family, dense_dir)
+    ranks = tmp_path / "ranks.json"
+    ranks.write_text(json.dumps(full_ranks(hf)))
+    out = run_decompose(DecomposeJob(
+        dense_dir, "svd-llm", rank_config=ranks, calib_text=CALIB, calib_tokens=512,
+        calib_seq_len=128, out=tmp_path / "dec"))
+    folder = open_model(out)
+    assert folder.decomposed and set(folder.rank_config.modules) == set(full_ranks(hf))
+
+    job = PerplexityJob(out, EVAL, max_tokens=512, window=128, layout="deinfer")
+    windows = token_windows(out, EVAL, 512, 128)
+    expected = hf_perplexity(hf, windows)
+    got = evaluate(job)
+    assert got["tokens"] == windows[:, 1:].numel() and got["windows"] == 4
+    assert got["ppl"] == pytest.approx(expected, rel=1e-4)
+    assert evaluate(PerplexityJob(dense_dir, EVAL, 512, 128))["ppl"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_folder_contents_and_integrity_checks(tmp_path: Path) -> None:
+    dense_dir = tmp_path / "dense"
+    hf = save_tiny_folder("llama", dense_dir)
+    out = run_decompose(DecomposeJob(
+        dense_dir, "svd", ratio=0.5, layers="1-2", out=tmp_path / "dec"))
+    manifest = json.loads((out / "deinfer_manifest.json").read_text())
+    assert manifest["method"] == "svd" and manifest["layers"] == [1, 2]
+    assert {"config.json", "rank_config.json", "model.safetensors", "tokenizer.json"} <= set(manifest["files"])
+    folder = open_model(out)
+    assert not folder.rank_config.layers[0].decomposed and folder.rank_config.layers[1].decomposed
+    assert "model.layers.0.self_attn.q_proj.weight" in folder.source
+    assert "model.layers.1.self_attn.q_proj.u" in folder.source
+    assert not list(tmp_path.glob(".dec.tmp-*")), "no temporary folder left behind"
+
+    # the factors and the rank config must agree
+    rank_file = out / "rank_config.json"
+    ranks = json.loads(rank_file.read_text())
+    ranks["model.layers.1.self_attn.q_proj"] += 1
+    rank_file.write_text(json.dumps(ranks))
+    with pytest.raises(ValueError, match="rank_config.json is corrupted"):
+        open_model(out)  # the manifest catches the edit first
+    with pytest.raises(ValueError, match=r"q_proj.u has rank .* but rank_config.json says"):
+        open_model(out, verify=False)
+
+    # a flipped byte in the weights names the file
+    weights = out / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="model.safetensors is corrupted"):
+        open_model(out)
+    del hf
+
+
+@pytest.mark.parametrize(
+    "job_kwargs, message",
+    [
+        (dict(method="svd", ratio=1.5), r"--ratio must be in \(0, 1\]"),
+        (dict(method="svd", ratio=0.0), r"--ratio must be in \(0, 1\]"),
+        (dict(method="svd-llm", ratio=0.5), r"needs calibration data: pass --calib-text"),
+        (dict(method="svd", ratio=0.5, layers="0-9"), r"--layers '0-9' names layers outside 0\.\.3"),
+        (dict(method="svd"), r"exactly one of --ratio R or --rank-config"),
+    ],
+)
+def test_bad_decompose_inputs(job_kwargs: dict, message: str, tmp_path: Path) -> None:
+    save_tiny_folder("llama", tmp_path / "dense")
+    with pytest.raises(ValueError, match=message):
+        run_decompose(DecomposeJob(tmp_path / "dense", out=tmp_path / "o", **job_kwargs))
+    assert not (tmp_path / "o").exists()
+
+
+def test_rank_config_naming_unknown_module_and_unsupported_arch(tmp_path: Path) -> None:
+    save_tiny_folder("llama", tmp_path / "dense")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"model.layers.0.mlp.gate": 4}))
+    with pytest.raises(ValueError, match="unknown module 'model.layers.0.mlp.gate'"):
+        run_decompose(DecomposeJob(tmp_path / "dense", "svd", rank_config=bad))
+    cfg = json.loads((tmp_path / "dense" / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (tmp_path / "dense" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"unsupported architecture.*supported: llama"):
+        run_decompose(DecomposeJob(tmp_path / "dense", "svd", ratio=0.5))
+
+
+def test_text_shorter_than_a_window(tmp_path: Path) -> None:
+    save_tiny_folder("llama", tmp_path / "dense")
+    short = tmp_path / "short.txt"
+    short.write_text("Only a few words.")
+    with pytest.raises(ValueError, match="fewer than one window of 512"):
+        evaluate(PerplexityJob(tmp_path / "dense", short))

@@ -1,0 +1,77 @@
+"""The factorisations and the rank allocation, against their defining formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deinfer_megatron.decompose.allocation import uniform_rank, variadic_ranks
+from deinfer_megatron.decompose.factorize import prepare, whitening
+
+gen = torch.Generator().manual_seed(0)
+
+
+def correlated_inputs(n: int, d: int) -> torch.Tensor:
+    """Activations with a few dominant, correlated channels (like real LLM inputs)."""
+    mix = torch.randn(d, d, generator=gen, dtype=torch.float64)
+    scales = torch.logspace(1, -2, d, dtype=torch.float64)
+    return (torch.randn(n, d, generator=gen, dtype=torch.float64) * scales) @ mix
+
+
+@pytest.mark.parametrize("method", ["svd", "asvd", "svd-llm"])
+def test_full_rank_reproduces_the_matrix(method: str) -> None:
+    w = torch.randn(24, 16, generator=gen, dtype=torch.float64)
+    x = correlated_inputs(200, 16)
+    u, v = prepare(w, method, gram=x.T @ x, abs_mean=x.abs().mean(0)).factors(16, dtype=torch.float64)
+    torch.testing.assert_close(u @ v, w)
+
+
+def test_svd_llm_minimises_the_output_error_and_predicts_it() -> None:
+    w = torch.randn(32, 24, generator=gen, dtype=torch.float64)
+    x = correlated_inputs(500, 24)
+    gram = x.T @ x
+    errors = {}
+    for method in ("svd", "asvd", "svd-llm"):
+        prepared = prepare(w, method, gram=gram, abs_mean=x.abs().mean(0))
+        u, v = prepared.factors(8, dtype=torch.float64)
+        errors[method] = ((x @ (w - u @ v).T) ** 2).sum().item()
+        if method == "svd-llm":
+            # the whitened truncation loss is exactly the output error on the calibration data
+            assert prepared.truncation_loss()[8].item() == pytest.approx(errors[method], rel=1e-8)
+    assert errors["svd-llm"] < errors["asvd"] < errors["svd"]
+
+
+def test_whitening_survives_a_singular_gram_matrix() -> None:
+    x = correlated_inputs(6, 16)  # 6 samples of 16 channels: XᵀX has rank 6
+    s, s_inv = whitening(x.T @ x)
+    assert torch.isfinite(s).all() and torch.isfinite(s_inv).all()
+    torch.testing.assert_close(s @ s_inv, torch.eye(16, dtype=torch.float64), atol=1e-6, rtol=0)
+    w = torch.randn(8, 16, generator=gen, dtype=torch.float64)
+    u, v = prepare(w, "svd-llm", gram=x.T @ x).factors(4, dtype=torch.float64)
+    assert torch.isfinite(u @ v).all()
+
+
+def test_uniform_rank_formula() -> None:
+    assert uniform_rank(576, 576, 0.8) == round(0.8 * 576 * 576 / 1152)
+    assert uniform_rank(1536, 576, 1.0) == round(1536 * 576 / 2112)
+    assert uniform_rank(4, 4, 0.01) == 1
+    with pytest.raises(ValueError, match=r"--ratio must be in \(0, 1\]"):
+        uniform_rank(4, 4, 1.5)
+
+
+def test_variadic_spends_the_uniform_budget_where_loss_is() -> None:
+    shapes = {f"model.layers.{i}.mlp.down_proj": (64, 64) for i in range(3)}
+    n = 64
+    decay = {0: 0.5, 1: 0.9, 2: 0.99}  # layer 2's spectrum decays slowest: it needs the most rank
+    losses = {}
+    for i, name in enumerate(shapes):
+        sigma2 = decay[i] ** torch.arange(n, dtype=torch.float64)
+        tail = sigma2.flip(0).cumsum(0).flip(0)
+        losses[name] = torch.cat([tail, torch.zeros(1, dtype=torch.float64)])
+    ranks = variadic_ranks(losses, shapes, 0.5)
+    budget = sum(uniform_rank(64, 64, 0.5) * 128 for _ in shapes)
+    assert sum(r * 128 for r in ranks.values()) <= budget
+    assert sum(r * 128 for r in ranks.values()) > budget - 128, "the budget is used up"
+    r0, r1, r2 = (ranks[f"model.layers.{i}.mlp.down_proj"] for i in range(3))
+    assert r0 < r1 < r2
+    assert r0 >= int(0.25 * uniform_rank(64, 64, 0.5)), "the floor holds"
