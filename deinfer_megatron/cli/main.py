@@ -24,10 +24,11 @@ from deinfer_megatron.cli import (  # noqa: E402
     demo_cmd,
     eval_cmd,
     fetch_cmd,
+    generate_cmd,
     plan_cmd,
 )
 
-COMMANDS = (fetch_cmd, decompose_cmd, plan_cmd, eval_cmd, demo_cmd)
+COMMANDS = (fetch_cmd, decompose_cmd, plan_cmd, eval_cmd, generate_cmd, demo_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

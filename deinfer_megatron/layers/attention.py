@@ -9,6 +9,10 @@ Data flow (DeInfer): ``x → V_qkv x`` (merged GEMM, one all-gather of r_q+r_k+r
 U_v`` for this rank's heads → RoPE → attention → ``linear_proj`` (V_o on this rank's head dims,
 one all-reduce of r_o, replicated U_o). Megatron's ``TransformerLayer`` builds this module in
 its ``self_attention`` slot and calls it with Megatron's attention signature.
+
+Under an inference context the layer caches either K/V of its own heads or — with the latent
+cache — the pre-RoPE latents ``c_k``, ``c_v``, from which it rebuilds its heads' K (RoPE by
+each token's position) and, for single-token decode steps, absorbs ``U_v`` after attention.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+from deinfer_megatron.layers.kv_cache import FullKVCache, LatentKVCache, cache_mode
 
 
 @dataclass
@@ -140,6 +146,29 @@ class FactoredSelfAttention(MegatronModule):
             out = out + bias
         return out.view(*out.shape[:2], heads, self.head_dim)
 
+    def _rope(self, x: torch.Tensor, freqs: torch.Tensor | None) -> torch.Tensor:
+        if freqs is None:
+            return x
+        return apply_rotary_pos_emb(x, freqs, config=self.config, cp_group=self.cp_group)
+
+    def _cache(self, context: Any, kind: str) -> Any:
+        """This layer's cache in the context, allocated on first use."""
+        cache = context.key_value_memory_dict.get(self.layer_number)
+        if cache is None:
+            dtype = self.config.params_dtype
+            if kind == "latent":
+                if not getattr(self.linear_qkv_down, "full_latents", False):
+                    raise ValueError(
+                        "the latent KV cache needs whole latents on every rank (the deinfer "
+                        "layout); this layout keeps them split over ranks"
+                    )
+                ranks = self.linear_qkv_down.section_ranks
+                cache = LatentKVCache(context, ranks[1], ranks[2], dtype)
+            else:
+                cache = FullKVCache(context, self.num_kv_heads, self.head_dim, dtype)
+            context.key_value_memory_dict[self.layer_number] = cache
+        return cache
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -158,18 +187,38 @@ class FactoredSelfAttention(MegatronModule):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if key_value_states is not None or packed_seq_params is not None:
             raise NotImplementedError("cross-attention and packed sequences are not supported")
-        c_q, c_k, c_v = self.linear_qkv_down(hidden_states)
-        query = self._project(self.linear_q_up, c_q, self.num_heads)
-        key = self._project(self.linear_k_up, c_k, self.num_kv_heads)
-        value = self._project(self.linear_v_up, c_v, self.num_kv_heads)
-
+        context = inference_context if inference_context is not None else inference_params
+        sq = hidden_states.shape[0]
+        start = context.sequence_len_offset if context is not None else 0
+        end = start + sq
+        q_emb = k_emb = None
         if rotary_pos_emb is not None:
             q_emb, k_emb = (
                 rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
             )
-            sq = query.shape[0]
-            query = apply_rotary_pos_emb(query, q_emb[:sq], config=self.config, cp_group=self.cp_group)
-            key = apply_rotary_pos_emb(key, k_emb[:sq], config=self.config, cp_group=self.cp_group)
 
-        context = self.core_attention(query, key, value, attention_mask)
-        return self.linear_proj(context)
+        c_q, c_k, c_v = self.linear_qkv_down(hidden_states)
+        query = self._rope(self._project(self.linear_q_up, c_q, self.num_heads),
+                           None if q_emb is None else q_emb[start:end])
+        kind, absorb = cache_mode(context) if context is not None else ("none", False)
+
+        if kind == "latent":
+            all_k, all_v = self._cache(context, kind).store_and_read(c_k, c_v, context)
+            key = self._rope(self._project(self.linear_k_up, all_k, self.num_kv_heads),
+                             None if k_emb is None else k_emb[:end])
+            if absorb and sq == 1:  # decode: P·(U_v C_v) = U_v·(P·C_v), exact
+                latent_v = all_v.unsqueeze(2).expand(-1, -1, self.num_kv_heads, -1)
+                z = self.core_attention.attend(query, key, latent_v, attention_mask)
+                z = z.view(sq, z.shape[1], self.num_kv_heads, -1, z.shape[-1])
+                context_layer = self.linear_v_up.per_unit(z, self.head_dim).reshape(sq, z.shape[1], -1)
+                return self.linear_proj(context_layer)
+            value = self._project(self.linear_v_up, all_v, self.num_kv_heads)
+        else:
+            key = self._rope(self._project(self.linear_k_up, c_k, self.num_kv_heads),
+                             None if k_emb is None else k_emb[start:end])
+            value = self._project(self.linear_v_up, c_v, self.num_kv_heads)
+            if kind == "full":
+                key, value = self._cache(context, kind).store_and_read(key, value, context)
+
+        context_layer = self.core_attention(query, key, value, attention_mask)
+        return self.linear_proj(context_layer)

@@ -44,15 +44,16 @@ class SdpaCoreAttention(nn.Module):
         self.scale = config.softmax_scale or 1.0 / math.sqrt(head_dim)
         self.layer_number = layer_number
 
-    def forward(
+    def attend(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        sq, b = query.shape[:2]
-        sk = key.shape[0]
+        """``[sq, b, nq, d]`` × ``[sk, b, nkv, d]`` keys → ``[sq, b, nq, dv]`` (values may have
+        any width ``dv``: rank-r latents under value absorption)."""
+        sq, sk = query.shape[0], key.shape[0]
         q = query.permute(1, 2, 0, 3)
         k = key.permute(1, 2, 0, 3)
         v = value.permute(1, 2, 0, 3)
@@ -67,4 +68,15 @@ class SdpaCoreAttention(nn.Module):
             ctx = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=allowed, scale=self.scale, enable_gqa=True
             )
-        return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.num_heads * self.head_dim)
+        return ctx.permute(2, 0, 1, 3)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        sq, b = query.shape[:2]
+        ctx = self.attend(query, key, value, attention_mask)
+        return ctx.reshape(sq, b, self.num_heads * self.head_dim)

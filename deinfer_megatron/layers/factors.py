@@ -87,6 +87,8 @@ class GatheredDown(_Factor):
     Shapes: in ``[..., in]`` → out tuple of ``[..., r_s]`` (full latents).
     """
 
+    full_latents = True  # every rank holds whole latents: they can be cached and re-expanded
+
     def __init__(
         self,
         input_size: int,
@@ -129,6 +131,8 @@ class ShardedDown(_Factor):
     """Each section's V rows split (balanced) over ranks, merged into one local GEMM; no
     communication. Shapes: in ``[..., in]`` → out tuple of ``[..., r_s/t]`` partial latents.
     """
+
+    full_latents = False
 
     def __init__(
         self,
@@ -267,6 +271,20 @@ class ShardedUp(_Up):
         outs = self._matmul(latents)
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out, (None if self.bias is None else self.bias.reshape(-1))
+
+    def per_unit(self, z: torch.Tensor, unit_size: int) -> torch.Tensor:
+        """Apply each unit's rows of U (and bias) to latents already mixed per unit.
+
+        Value absorption: ``z [..., units, m, r]`` holds, for each of this rank's units (KV
+        heads) and each of its ``m`` query heads, the attention-weighted latent ``P·C``; the
+        result ``[..., units, m, unit_size]`` is ``P·(C Uᵀ) + b`` without forming ``C Uᵀ``.
+        """
+        units = self.rows // unit_size
+        w = self.weight[0, :, : z.shape[-1]].view(units, unit_size, z.shape[-1])
+        out = torch.einsum("...gmr,gdr->...gmd", z, w)
+        if self.bias is not None:
+            out = out + self.bias[0].view(units, 1, unit_size)
+        return out
 
 
 class ReducedUp(_Up):

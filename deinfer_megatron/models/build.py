@@ -34,6 +34,7 @@ class Stage:
     layer_offset: int
     num_local_layers: int
     padded_vocab: int
+    runner: Any = None  # what forward calls go through when not the model itself (DeepSpeed)
 
 
 def check_parallel_sizes(arch: ModelArch, tp: int, pp: int) -> None:

@@ -29,18 +29,19 @@ def stage_forward(
     None on the others, which send their hidden states ``[s, b, h]`` to the next stage.
     """
     groups = stage.groups
-    model = stage.model
+    model = stage.runner if stage.runner is not None else stage.model
     if not groups.is_first_stage:
         b, s = input_ids.shape
-        hidden = torch.empty(s, b, stage.arch.hidden_size, dtype=model.config.params_dtype)
+        hidden = torch.empty(s, b, stage.arch.hidden_size, dtype=stage.model.config.params_dtype)
         dist.recv(hidden, src=groups.prev_rank)
-        model.set_input_tensor(hidden)
+        stage.model.set_input_tensor(hidden)
     with torch.inference_mode():
         out = model(
             input_ids if groups.is_first_stage else None,
             position_ids,
             attention_mask,
             inference_context=inference_context,
+            runtime_gather_output=True,  # Megatron's inference path needs the full vocabulary
         )
     if not groups.is_last_stage:
         dist.send(out.contiguous(), dst=groups.next_rank)

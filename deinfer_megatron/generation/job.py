@@ -1,0 +1,212 @@
+"""The ``generate`` job: text prompts in, generated text out, on TP×PP ranks.
+
+Prompts are tokenised (and checked) before any rank starts, so bad input fails in a second.
+Each rank loads its stage, sizes the KV cache (one slot per prompt; tokens per slot from the
+request or from ``--kv-budget-gb``), optionally wraps the stage in DeepSpeed-Inference, and
+generates with Megatron's static engine — or the project's loop for what that engine cannot
+carry. Global rank 0 streams a single prompt's text as it is generated and returns the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deinfer_megatron.generation.sampling import SamplingParams
+from deinfer_megatron.launch.run import run_on_ranks
+
+log = logging.getLogger(__name__)
+ENGINES = ("megatron", "deepspeed")
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    model: Path
+    prompts: tuple[str, ...]
+    max_new_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    tp: int = 1
+    pp: int = 1
+    layout: str = "deinfer"
+    kv_cache: str = "full"
+    absorb_values: bool = True
+    engine: str = "megatron"
+    own_loop: bool = False
+    kv_budget_gb: float | None = None
+    stop: tuple[str, ...] = ()
+    chat: bool = False
+    stream: bool = False
+    dtype: str = "float32"
+
+
+def _tokenizer(model: Path) -> Any:
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(model)
+
+
+def encode_prompts(job: GenerateJob, tokenizer: Any) -> list[list[int]]:
+    """Token ids of every prompt (chat template applied with ``--chat``)."""
+    if not job.prompts:
+        raise ValueError("give at least one --prompt (or --prompts-file)")
+    out = []
+    for i, text in enumerate(job.prompts):
+        if not text.strip():
+            raise ValueError(f"prompt {i + 1} is empty; every prompt needs some text")
+        if job.chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        else:
+            ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+        out.append(list(ids))
+    return out
+
+
+def eos_ids(model: Path, tokenizer: Any) -> frozenset[int]:
+    """End-of-sequence ids from generation_config.json (else the tokenizer's)."""
+    import json
+
+    ids: Any = None
+    gen = model / "generation_config.json"
+    if gen.is_file():
+        ids = json.loads(gen.read_text()).get("eos_token_id")
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return frozenset()
+    return frozenset(ids if isinstance(ids, list) else [ids])
+
+
+def validate(job: GenerateJob, prompt_ids: list[list[int]]) -> None:
+    """Everything that can be checked before ranks start."""
+    from deinfer_megatron.checkpoints.folder import open_model
+    from deinfer_megatron.generation.context import slot_length
+    from deinfer_megatron.models.build import check_parallel_sizes
+
+    if job.engine not in ENGINES:
+        raise ValueError(f"unknown --engine {job.engine!r}; choose one of {', '.join(ENGINES)}")
+    if job.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {job.max_new_tokens}")
+    folder = open_model(job.model, verify=False)
+    check_parallel_sizes(folder.arch, job.tp, job.pp)
+    if job.kv_cache == "latent":
+        if not folder.decomposed:
+            raise ValueError(
+                f"--kv-cache latent needs a decomposed model; {job.model} is dense "
+                "(decompose it with `deinfer-megatron decompose`, or use --kv-cache full)"
+            )
+        if job.layout != "deinfer":
+            raise ValueError("--kv-cache latent needs --layout deinfer (whole latents on every rank)")
+    slot_length(max(map(len, prompt_ids)) + job.max_new_tokens, max_positions=folder.arch.max_positions,
+                bytes_per_token=0, slots=len(prompt_ids), budget_gb=None)
+
+
+def _bytes_per_token(stage: Any, kv_cache: str) -> int:
+    """KV bytes one token costs on this rank (this stage's layers), from the planner."""
+    from deinfer_megatron.planning.plan import make_plan
+
+    plan = make_plan(stage.arch, stage.rank_config, stage.layout, tp=stage.groups.tp_size,
+                     pp=stage.groups.pp_size, dtype_bytes=stage.model.config.params_dtype.itemsize)
+    layers = plan.layers[stage.layer_offset : stage.layer_offset + stage.num_local_layers]
+    kv = [l.kv_bytes_per_token for l in layers]
+    return sum((k["latent"] if kv_cache == "latent" and k["latent"] is not None else k["full"]) for k in kv)
+
+
+def _stop_check(tokenizer: Any, stops: tuple[str, ...]) -> Any:
+    if not stops:
+        return None
+    return lambda row, ids: any(s in tokenizer.decode(ids, skip_special_tokens=True) for s in stops)
+
+
+def _streamer(tokenizer: Any) -> Any:
+    """Print a single prompt's text as it is generated (global rank 0 only)."""
+    state = {"ids": [], "printed": 0}
+
+    def on_token(row: int, token: int) -> None:
+        state["ids"].append(token)
+        text = tokenizer.decode(state["ids"], skip_special_tokens=True)
+        sys.stdout.write(text[state["printed"] :])
+        sys.stdout.flush()
+        state["printed"] = len(text)
+
+    return on_token
+
+
+def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | None:
+    from deinfer_megatron.generation.context import GenerationContext, describe, slot_length
+    from deinfer_megatron.generation.loop import generate_tokens
+    from deinfer_megatron.generation.megatron_engine import engine_supports, generate_with_engine
+    from deinfer_megatron.models.build import load_folder
+    from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[job.dtype]
+    tokenizer = _tokenizer(job.model)
+    groups = init_parallel(job.tp, job.pp)
+    try:
+        stage = load_folder(job.model, job.layout, groups, dtype=dtype)
+        tokens = slot_length(
+            max(map(len, prompt_ids)) + job.max_new_tokens, max_positions=stage.arch.max_positions,
+            bytes_per_token=_bytes_per_token(stage, job.kv_cache), slots=len(prompt_ids),
+            budget_gb=job.kv_budget_gb)
+        context = GenerationContext(len(prompt_ids), tokens, kv_cache=job.kv_cache,
+                                    absorb_values=job.absorb_values)
+        if job.engine == "deepspeed":
+            from deinfer_megatron.generation.deepspeed_engine import wrap_with_deepspeed
+
+            stage.runner = wrap_with_deepspeed(stage.model, groups, dtype)
+        eos = eos_ids(job.model, tokenizer)
+        reporter = dist.get_rank() == 0
+        kwargs = dict(max_new_tokens=job.max_new_tokens, params=job.sampling, context=context,
+                      eos_ids=eos, stop=_stop_check(tokenizer, job.stop),
+                      on_token=_streamer(tokenizer) if job.stream and reporter else None)
+        why_not = "--own-loop" if job.own_loop else engine_supports(job.sampling, eos)
+        if why_not is None:
+            outputs, timing = generate_with_engine(stage, prompt_ids, model=stage.runner, **kwargs)
+            driver = "megatron-static-engine"
+        else:
+            if job.own_loop is False:
+                log.info("generating with the project's loop: %s", why_not)
+            outputs, timing = generate_tokens(stage, prompt_ids, **kwargs)
+            driver = "deinfer-loop"
+        if job.stream and reporter:
+            sys.stdout.write("\n")
+        cache = describe(context)
+        peak = torch.tensor([cache["kv_cache_bytes"]], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    finally:
+        shutdown()
+    if not reporter:
+        return None
+    results = []
+    for text, out in zip(job.prompts, outputs):
+        decoded = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        for s in job.stop:
+            if s in decoded:
+                decoded = decoded[: decoded.index(s)]
+        results.append({"prompt": text, "token_ids": out.token_ids, "text": decoded,
+                        "finish_reason": out.finish_reason})
+    return {
+        "outputs": results,
+        "timing": {"prefill_s": timing.prefill_s, "decode_tokens_per_s": timing.decode_tokens_per_s,
+                   "decode_s": timing.decode_s},
+        "kv_cache_bytes": int(peak.item()),
+        "kv_bytes_per_token": cache["kv_bytes_per_token"],
+        "driver": driver,
+        "engine": job.engine,
+        "layout": job.layout, "kv_cache": job.kv_cache, "tp": job.tp, "pp": job.pp,
+    }
+
+
+def run_generate(job: GenerateJob) -> dict[str, Any] | None:
+    """Generate for ``job``; the result on the reporting process, None on other ranks."""
+    tokenizer = _tokenizer(job.model)
+    prompt_ids = encode_prompts(job, tokenizer)
+    validate(job, prompt_ids)
+    return run_on_ranks(job.tp * job.pp, _rank, job, prompt_ids)
