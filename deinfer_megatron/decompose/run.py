@@ -70,7 +70,9 @@ def _layer_stats(
 def measure_losses(
     model: nn.Module, arch: ModelArch, method: str, targets: Iterable[str], hidden: list[torch.Tensor] | None
 ) -> dict[str, torch.Tensor]:
-    """Truncation-loss curves of every target matrix on the dense model (one-shot statistics)."""
+    """Truncation-loss curves of every target matrix on the dense model (one-shot statistics),
+    each divided by the mean squared norm of the residual stream entering its layer, so that
+    curves of different layers can be compared (without data: the plain spectra)."""
     modules = dict(model.named_modules())
     targets = set(targets)
     runner = LayerRunner(model) if hidden is not None else None
@@ -78,12 +80,14 @@ def measure_losses(
     for layer in tqdm(range(arch.num_layers), desc="measuring spectra", leave=False):
         groups = [g for g in _groups(arch, layer) if g[0] in targets]
         stats: dict[str, InputStats] = {}
+        energy = 1.0
         if runner is not None and hidden is not None:
+            energy = sum(h.double().pow(2).sum().item() for h in hidden) / sum(h[..., 0].numel() for h in hidden)
             stats, hidden = _layer_stats(runner, layer, hidden, _groups(arch, layer), modules)
         for group in groups:
             for name in group:
                 prepared = prepare(modules[name].weight, method, **_stats_args(method, stats.get(name)))
-                losses[name] = prepared.truncation_loss()
+                losses[name] = prepared.truncation_loss() / energy
     return losses
 
 

@@ -1,0 +1,63 @@
+"""Generation checks run inside spawned ranks: every layout × KV cache × absorption × driver
+(Megatron's static engine, the project's loop, DeepSpeed-Inference) on full-rank folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def configurations(layout: str, decomposed: bool) -> list[tuple[str, bool, str]]:
+    """(kv cache, absorb values, driver) combinations that apply to a layout."""
+    combos = [("full", True, "engine"), ("full", True, "loop")]
+    if decomposed and layout == "deinfer":
+        combos += [("latent", True, "engine"), ("latent", True, "loop"), ("latent", False, "loop")]
+    return combos
+
+
+def generation_worker(tp: int, pp: int, models: dict[str, str], prompts: list[list[int]],
+                      max_new: int, layouts: list[str], deepspeed: bool = False) -> dict[str, Any]:
+    from deinfer_megatron.generation.context import GenerationContext
+    from deinfer_megatron.generation.loop import generate_tokens
+    from deinfer_megatron.generation.megatron_engine import generate_with_engine
+    from deinfer_megatron.generation.sampling import SamplingParams
+    from deinfer_megatron.models.build import load_folder
+    from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+
+    groups = init_parallel(tp, pp)
+    results: dict[str, Any] = {}
+    try:
+        for name, folder in models.items():
+            for layout in layouts:
+                stage = load_folder(Path(folder), layout, groups)
+                decomposed = bool(stage.rank_config.modules)
+                for kv, absorb, driver in configurations(layout, decomposed):
+                    context = GenerationContext(len(prompts), max(map(len, prompts)) + max_new,
+                                                kv_cache=kv, absorb_values=absorb)
+                    run = generate_with_engine if driver == "engine" else generate_tokens
+                    outs, _ = run(stage, prompts, max_new_tokens=max_new, params=SamplingParams(),
+                                  context=context)
+                    key = f"{name}/{layout}/{kv}/{'absorb' if absorb else 'rebuild'}/{driver}"
+                    results[key] = [o.token_ids for o in outs]
+                    if layout == "deinfer" and kv == "full" and driver == "loop":
+                        single = []  # the same prompts one at a time
+                        for p in prompts:
+                            ctx = GenerationContext(1, len(p) + max_new)
+                            single.append(generate_tokens(stage, [p], max_new_tokens=max_new,
+                                                          params=SamplingParams(), context=ctx)[0][0].token_ids)
+                        results[f"{name}/one-at-a-time"] = single
+                if deepspeed and layout == "deinfer":
+                    from deinfer_megatron.generation.deepspeed_engine import wrap_with_deepspeed
+
+                    stage.runner = wrap_with_deepspeed(stage.model, groups, torch.float32)
+                    for driver, run in (("engine", generate_with_engine), ("loop", generate_tokens)):
+                        ctx = GenerationContext(len(prompts), max(map(len, prompts)) + max_new)
+                        extra = {"model": stage.runner} if driver == "engine" else {}
+                        outs, _ = run(stage, prompts, max_new_tokens=max_new, params=SamplingParams(),
+                                      context=ctx, **extra)
+                        results[f"{name}/deepspeed/{driver}"] = [o.token_ids for o in outs]
+    finally:
+        shutdown()
+    return results
