@@ -7,7 +7,6 @@ Calibration and evaluation are kept small so that the file runs in a few minutes
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -16,16 +15,10 @@ import transformers
 
 from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
 from deinfer_megatron.evaluation.perplexity import PerplexityJob, evaluate
-from tests.helpers.tiny_models import full_ranks, smollm2_dir
 
 AUSTEN = Path(__file__).resolve().parents[3] / "shared" / "data" / "text" / "austen"
 CALIB, EVAL = AUSTEN / "prideprejudice.txt", AUSTEN / "emma.txt"
 EVAL_TOKENS, WINDOW = 1024, 256
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    return smollm2_dir()
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +57,11 @@ def test_eval_ppl_agrees_across_tp_and_layouts(decomposed: dict[str, Path]) -> N
         assert ppl(model, tp=tp, layout=layout) == pytest.approx(reference, rel=1e-3), (tp, layout)
 
 
-def test_full_rank_reproduces_smollm2_logits(smollm2: Path, tmp_path: Path) -> None:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    ranks = tmp_path / "full.json"
-    ranks.write_text(json.dumps(full_ranks(hf)))
-    out = run_decompose(DecomposeJob(smollm2, "svd", rank_config=ranks, out=tmp_path / "full"))
+def test_full_rank_reproduces_smollm2_logits(smollm2: Path, smollm2_full_rank: Path) -> None:
     from tests.helpers.stage import stage_logits
 
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    out = smollm2_full_rank
     ids = torch.tensor([[1, 504, 3458, 282, 4915, 314, 253, 1345, 30, 2]])
     with torch.no_grad():
         ref = hf(ids).logits

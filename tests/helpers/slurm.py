@@ -3,7 +3,7 @@
 The cluster is brought up by ``scripts/slurm/local_cluster.sh start`` (installs
 ``slurm-wlm`` + ``munge`` with apt-get on first use, needs root). Typical use::
 
-    from tests.slurm_util import ensure_cluster, run_sbatch, slurm_skip_reason
+    from tests.helpers.slurm import ensure_cluster, run_sbatch, slurm_skip_reason
 
     reason = slurm_skip_reason()
     if reason:
@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 LOCAL_CLUSTER = REPO_ROOT / "scripts" / "slurm" / "local_cluster.sh"
 SLURM_DIR = Path(os.environ.get("DEINFER_SLURM_DIR", "/var/spool/slurm-deinfer"))
 
@@ -180,8 +180,9 @@ def _find_job_by_output(out_path: str) -> str | None:
 
 def run_sbatch(script: str | os.PathLike[str], *args: str, timeout: float = 300,
                env: dict[str, str] | None = None,
-               cwd: str | os.PathLike[str] | None = None) -> tuple[int, str]:
-    """Submit ``script`` with ``sbatch --wait --output=<tmpfile> *args``.
+               cwd: str | os.PathLike[str] | None = None,
+               script_args: tuple[str, ...] = ()) -> tuple[int, str]:
+    """Submit ``script`` with ``sbatch --wait --output=<tmpfile> *args script *script_args``.
 
     Returns ``(returncode, output_text)``: sbatch's exit status (the job's exit
     code with --wait; non-zero on timeout) and the job's combined stdout/stderr.
@@ -199,7 +200,7 @@ def run_sbatch(script: str | os.PathLike[str], *args: str, timeout: float = 300,
                **(env or {})}
     # stdbuf -oL: sbatch prints "Submitted batch job N" before waiting; line
     # buffering lets us read the id even if we later have to kill sbatch.
-    cmd = ["sbatch", "--wait", f"--output={out_path}", *args, str(script)]
+    cmd = ["sbatch", "--wait", f"--output={out_path}", *args, str(script), *script_args]
     if shutil.which("stdbuf"):
         cmd = ["stdbuf", "-oL", "-eL", *cmd]
     job_id: str | None = None
