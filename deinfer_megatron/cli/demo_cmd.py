@@ -1,9 +1,13 @@
-"""``deinfer-megatron demo``: the three layouts side by side on a small decomposed model.
+"""``deinfer-megatron demo``: the project end to end on the embedded real model.
 
-Starts TP local ranks, builds a randomly initialised LLaMA-shaped model (``llama-tiny``) with
-uniform ranks in all but its last layer (a mixed model), runs one forward in every layout, and
-prints the plan, the collectives each layout really issued, and the parity of its logits with a
-single-process Hugging Face model whose weights are the factors multiplied out.
+Default: fetch SmolLM2-135M-Instruct, decompose it (svd-llm, ratio 0.8, calibrated on text the
+model samples itself — no data needed), then answer two chat prompts at TP=3 in the DeInfer
+layout with the latent KV cache, printing the dense model's answer beside each.
+
+``--layouts``: the three layouts side by side on a small random LLaMA-shaped model
+(``llama-tiny``, a mixed model): the plan, the collectives each layout really issued, and the
+parity of its logits with a single-process Hugging Face model whose weights are the factors
+multiplied out.
 """
 
 from __future__ import annotations
@@ -20,17 +24,25 @@ DEMO_MODEL = "llama-tiny"
 DEMO_RATIO = 0.6
 
 
+DEMO_PROMPTS = ("What is the capital of France?", "Give me one short tip for staying healthy.")
+
+
 @dataclass(frozen=True)
 class DemoConfig:
-    tp: int = 2
+    tp: int = 3
     seed: int = 0
+    layouts: bool = False
+    max_new_tokens: int = 40
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="compare the layouts on a small decomposed model")
-    p.add_argument("--tp", type=int, default=2)
+    p = sub.add_parser("demo", help="decompose SmolLM2 and generate with DeInfer (or --layouts)")
+    p.add_argument("--layouts", action="store_true", help="compare the layouts on a tiny random model")
+    p.add_argument("--tp", type=int, help="tensor-parallel size (default: 3, or 2 with --layouts)")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(make_config=lambda a: DemoConfig(a.tp, a.seed), run=main)
+    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.set_defaults(make_config=lambda a: DemoConfig(
+        a.tp or (2 if a.layouts else 3), a.seed, a.layouts, a.max_new_tokens), run=main)
 
 
 def _setup(seed: int) -> tuple[Any, Any, dict, torch.Tensor]:
@@ -87,7 +99,39 @@ def _reference_logits(arch: Any, rank_config: Any, state: dict, ids: torch.Tenso
         return model(ids).logits
 
 
+def smollm2_demo(cfg: DemoConfig) -> int:
+    """Decompose the embedded model once (cached), then generate beside the dense model."""
+    from deinfer_megatron.checkpoints.embedded import cache_dir, fetch_model
+    from deinfer_megatron.checkpoints.folder import MANIFEST
+    from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
+    from deinfer_megatron.generation.job import GenerateJob, run_generate
+
+    dense = fetch_model("smollm2-135m")
+    decomposed = cache_dir() / "smollm2-135m-svd-llm-r0.8-self"
+    if not (decomposed / MANIFEST).is_file():
+        print("decomposing SmolLM2-135M (svd-llm, ratio 0.8, self-calibrated; once, then cached)...")
+        run_decompose(DecomposeJob(dense, "svd-llm", ratio=0.8, allocation="variadic",
+                                   calib_self=16, calib_seq_len=256, out=decomposed, seed=cfg.seed))
+    common = dict(prompts=DEMO_PROMPTS, max_new_tokens=cfg.max_new_tokens, tp=cfg.tp, chat=True)
+    print(f"generating at TP={cfg.tp}: DeInfer layout + latent KV cache, and the dense model...")
+    ours = run_generate(GenerateJob(model=decomposed, layout="deinfer", kv_cache="latent", **common))
+    base = run_generate(GenerateJob(model=dense, layout="dense", **common))
+    for mine, theirs in zip(ours["outputs"], base["outputs"]):
+        print(f"\n### {mine['prompt']}")
+        print(f"[decomposed, ratio 0.8, DeInfer, latent cache] {mine['text'].strip()}")
+        print(f"[dense]                                        {theirs['text'].strip()}")
+    print(f"\nKV cache per rank: decomposed {ours['kv_cache_bytes']:,} B "
+          f"({ours['kv_bytes_per_token']} B/token) vs dense {base['kv_cache_bytes']:,} B "
+          f"({base['kv_bytes_per_token']} B/token); decode {ours['timing']['decode_tokens_per_s']:.1f} "
+          f"vs {base['timing']['decode_tokens_per_s']:.1f} tokens/s on this machine")
+    return 0
+
+
 def main(cfg: DemoConfig) -> int:
+    return layouts_demo(cfg) if cfg.layouts else smollm2_demo(cfg)
+
+
+def layouts_demo(cfg: DemoConfig) -> int:
     from deinfer_megatron.planning.plan import make_plan
     from deinfer_megatron.planning.report import format_plans
 

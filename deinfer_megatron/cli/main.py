@@ -20,6 +20,7 @@ os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARN
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron(\.|$)")
 
 from deinfer_megatron.cli import (  # noqa: E402
+    bench_cmd,
     decompose_cmd,
     demo_cmd,
     eval_cmd,
@@ -28,7 +29,7 @@ from deinfer_megatron.cli import (  # noqa: E402
     plan_cmd,
 )
 
-COMMANDS = (fetch_cmd, decompose_cmd, plan_cmd, eval_cmd, generate_cmd, demo_cmd)
+COMMANDS = (fetch_cmd, decompose_cmd, plan_cmd, eval_cmd, generate_cmd, demo_cmd, bench_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -60,9 +60,9 @@ def encode_prompts(job: GenerateJob, tokenizer: Any) -> list[list[int]]:
         if not text.strip():
             raise ValueError(f"prompt {i + 1} is empty; every prompt needs some text")
         if job.chat:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            ids = list(tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                return_dict=True)["input_ids"])
         else:
             ids = tokenizer(text, add_special_tokens=True)["input_ids"]
         out.append(list(ids))

@@ -360,3 +360,32 @@ def test_args_that_contradict_the_tensors(checkpoints, tmp_path) -> None:
     torch.save(_common(megatron_args("llama", ffn_hidden_size=64)), dist_copy / "iter_0000010" / "common.pt")
     with pytest.raises(ValueError, match="linear_fc2.weight' has shape .* its args imply"):
         read_megatron_checkpoint(dist_copy)
+
+
+def test_a_megatron_checkpoint_goes_straight_to_a_served_decomposed_model(checkpoints, references, tmp_path) -> None:
+    """decompose reads the TP=2 torch checkpoint (with a tokenizer folder), and the decomposed
+    folder serves the reference model's logits (full rank: lossless)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
+    from deinfer_megatron.models.arch import arch_from_hf_config
+    from tests.helpers.stage import stage_logits
+
+    reference = references["llama"]
+    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, reference.config.vocab_size)}}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                            unk_token="<unk>").save_pretrained(tmp_path / "tok")
+    arch = arch_from_hf_config(reference.config.to_dict())
+    (tmp_path / "full.json").write_text(json.dumps({n: min(s) for n, s in arch.linear_shapes().items()}))
+    source = checkpoints / _name("llama", 2, 1, "torch")
+    with pytest.raises(ValueError, match="pass --tokenizer DIR"):
+        run_decompose(DecomposeJob(source, "svd", ratio=0.5))
+    out = run_decompose(DecomposeJob(source, "svd", rank_config=tmp_path / "full.json",
+                                     tokenizer=tmp_path / "tok", out=tmp_path / "dec"))
+    ids = torch.randint(0, reference.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = reference(ids).logits
+    got = stage_logits(out, ids, layout="deinfer")
+    assert (got - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
+    assert (out / "tokenizer.json").is_file()

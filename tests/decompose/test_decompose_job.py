@@ -117,3 +117,19 @@ def test_text_shorter_than_a_window(tmp_path: Path) -> None:
     short.write_text("Only a few words.")
     with pytest.raises(ValueError, match="fewer than one window of 512"):
         evaluate(PerplexityJob(tmp_path / "dense", short))
+
+
+def test_self_calibration_needs_no_text(tmp_path: Path) -> None:
+    save_tiny_folder("qwen2", tmp_path / "dense")
+    out = run_decompose(DecomposeJob(tmp_path / "dense", "svd-llm", ratio=0.6, allocation="variadic",
+                                     calib_self=2, calib_seq_len=32, out=tmp_path / "dec"))
+    manifest = json.loads((out / "deinfer_manifest.json").read_text())
+    assert manifest["calibration"] == {"source": "self:2", "tokens": 64, "seq_len": 32}
+    folder = open_model(out)
+    assert len(folder.rank_config.modules) == 4 * 7
+    # variadic keeps the uniform budget
+    from deinfer_megatron.decompose.allocation import uniform_rank
+
+    shapes = folder.arch.linear_shapes()
+    spent = sum(r * sum(shapes[n]) for n, r in folder.rank_config.modules.items())
+    assert spent <= sum(uniform_rank(*s, 0.6) * sum(s) for s in shapes.values())

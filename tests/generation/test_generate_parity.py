@@ -49,6 +49,9 @@ def check(results: dict, expected: dict, where: str) -> None:
     assert results, where
     for key, tokens in results.items():
         family = key.split("/")[0]
+        if "/sampled/" in key:  # sampled, not greedy: only agreement across ranks is checked
+            assert [len(t) for t in tokens] == [MAX_NEW] * len(PROMPTS), key
+            continue
         assert tokens == expected[family], f"{where}: {key}"
 
 
@@ -63,7 +66,7 @@ def test_tp1_every_layout_cache_and_driver(folders) -> None:
 def test_tp2_with_deepspeed(folders) -> None:
     models, expected = folders
     per_rank = run_ranks(2, generation_worker, 2, 1, models, PROMPTS, MAX_NEW, LAYOUTS, True)
-    assert per_rank[0] == per_rank[1], "both TP ranks see the same tokens"
+    assert per_rank[0] == per_rank[1], "both TP ranks see the same tokens (sampled ones too)"
     assert sum("/deepspeed/" in k for k in per_rank[0]) == 6
     check(per_rank[0], expected, "TP=2")
 

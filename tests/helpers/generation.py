@@ -48,6 +48,12 @@ def generation_worker(tp: int, pp: int, models: dict[str, str], prompts: list[li
                             single.append(generate_tokens(stage, [p], max_new_tokens=max_new,
                                                           params=SamplingParams(), context=ctx)[0][0].token_ids)
                         results[f"{name}/one-at-a-time"] = single
+                if layout == "deinfer":  # sampling: identical draws on every rank, both drivers
+                    sampled = SamplingParams(greedy=False, temperature=0.8, top_p=0.9, seed=3)
+                    for driver, run in (("engine", generate_with_engine), ("loop", generate_tokens)):
+                        ctx = GenerationContext(len(prompts), max(map(len, prompts)) + max_new)
+                        outs, _ = run(stage, prompts, max_new_tokens=max_new, params=sampled, context=ctx)
+                        results[f"{name}/sampled/{driver}"] = [o.token_ids for o in outs]
                 if deepspeed and layout == "deinfer":
                     from deinfer_megatron.generation.deepspeed_engine import wrap_with_deepspeed
 

@@ -1,0 +1,169 @@
+"""What runs inside the ranks of one bench cell: load, generate ``repeats + 1`` times, measure.
+
+Timings come from the project's own loop (``generate_tokens``, greedy, no EOS), observed through
+its ``on_token`` callback: the first token of every step is a timestamp, so TTFT is the time to
+the first token and each later step is exactly one decode forward plus sampling. The first run
+is a warm-up; it is also the run whose second step (one decode forward) is recorded in the
+collectives ledger, so the timed runs carry no recording at all.
+
+Peak RSS is read from ``/proc/self/status`` (VmHWM) after loading, then the high-water mark is
+reset (``/proc/self/clear_refs``) so that a second figure covers generation alone; where Linux
+does not allow the reset, that figure is None. ``resource.getrusage`` is the fallback reader.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CellJob:
+    """One configuration, as handed to every rank (picklable)."""
+
+    folder: Path
+    layout: str
+    kv_cache: str
+    tp: int
+    batch: int
+    prompt_len: int
+    gen_len: int
+    repeats: int
+    prompts: tuple[tuple[int, ...], ...]  # batch × prompt_len random ids, the same on every rank
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far (since the last reset, where one happened)."""
+    kb = _status_kb("VmHWM")
+    if kb is None:
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return kb * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Start a new high-water mark (Linux ≥ 4.0); False where that is not allowed."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+class StepProbe:
+    """``on_token`` hook: a timestamp per generated step, and one decode step in a ledger.
+
+    Every row generates on every step (equal prompt lengths, no EOS), so calls arrive in groups
+    of ``batch``; the first call of a group marks its step. With ``record``, the ledger is open
+    from the first step's mark to the second's: exactly the forward of one decode step.
+    """
+
+    def __init__(self, batch: int, record: bool) -> None:
+        from deinfer_megatron.parallel import comm
+
+        self.batch = batch
+        self.calls = 0
+        self.marks: list[float] = []
+        self.ledger = comm.CommLedger() if record else None
+        self._recording: Any = None
+        self._comm = comm
+
+    def on_token(self, row: int, token: int) -> None:
+        if self.calls % self.batch == 0:
+            self.marks.append(time.perf_counter())
+            step = len(self.marks) - 1
+            if self.ledger is not None and step == 0:
+                self._recording = self._comm.recording(self.ledger)
+                self._recording.__enter__()
+            elif step == 1:
+                self.close()
+        self.calls += 1
+
+    def close(self) -> None:
+        if self._recording is not None:
+            self._recording.__exit__(None, None, None)
+            self._recording = None
+
+
+def _one_run(stage: Any, job: CellJob, context: Any, record: bool) -> tuple[dict[str, Any], Any]:
+    from deinfer_megatron.generation.loop import generate_tokens
+    from deinfer_megatron.generation.sampling import SamplingParams
+
+    probe = StepProbe(job.batch, record)
+    start = time.perf_counter()
+    try:
+        outputs, timing = generate_tokens(stage, [list(p) for p in job.prompts], max_new_tokens=job.gen_len,
+                                          params=SamplingParams(), context=context, on_token=probe.on_token)
+    finally:
+        probe.close()
+    new_tokens = sum(len(o.token_ids) for o in outputs)
+    assert new_tokens == job.batch * job.gen_len, f"generated {new_tokens} tokens, expected batch × gen-len"
+    marks = probe.marks
+    steps = [b - a for a, b in zip(marks, marks[1:])]
+    sample = {
+        "ttft_s": marks[0] - start,
+        "prefill_s": timing.prefill_s,
+        "decode_s": marks[-1] - marks[0],
+        "tpot_s": (marks[-1] - marks[0]) / len(steps),
+        "step_s": steps,
+        "new_tokens": new_tokens,
+    }
+    return sample, probe.ledger
+
+
+def _ledger_summary(ledger: Any) -> dict[str, Any]:
+    kinds: dict[str, int] = {}
+    for rec in ledger.records:
+        kinds[rec.kind] = kinds.get(rec.kind, 0) + 1
+    return {"collectives": len(ledger.records),
+            "elements": sum(r.elements_per_token for r in ledger.records),
+            "by_kind": kinds,
+            "tokens_per_collective": sorted({r.tokens for r in ledger.records})}
+
+
+def cell_worker(job: CellJob) -> dict[str, Any]:
+    """Run one cell on this rank; every rank returns its own measurements."""
+    from deinfer_megatron.checkpoints.folder import open_model
+    from deinfer_megatron.generation.context import GenerationContext, describe
+    from deinfer_megatron.models.build import build_stage, load_weights
+    from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+
+    t0 = time.perf_counter()
+    groups = init_parallel(job.tp, 1)
+    try:
+        folder = open_model(job.folder, verify=False)  # the parent verified it once
+        stage = build_stage(folder.arch, folder.rank_config, job.layout, groups)
+        load_weights(stage, folder.source, folder.rank_config)
+        load_s = time.perf_counter() - t0
+        rss_after_load = peak_rss_bytes()
+        reset = reset_peak_rss()
+        context = GenerationContext(job.batch, job.prompt_len + job.gen_len, kv_cache=job.kv_cache)
+        warmup, ledger = _one_run(stage, job, context, record=True)
+        samples = [_one_run(stage, job, context, record=False)[0] for _ in range(job.repeats)]
+        cache = describe(context)
+        rss_run = peak_rss_bytes() if reset else None
+    finally:
+        shutdown()
+    return {
+        "tp_rank": groups.tp_rank,
+        "load_s": load_s,
+        "warmup": warmup,
+        "samples": samples,
+        "decode_step_comm": _ledger_summary(ledger),
+        "peak_rss_bytes": max(rss_after_load, rss_run or 0),
+        "peak_rss_generate_bytes": rss_run,
+        "kv_cache_bytes": cache["kv_cache_bytes"],
+        "kv_bytes_per_token": cache["kv_bytes_per_token"],
+    }

@@ -1,0 +1,148 @@
+"""``deinfer-megatron bench`` as users run it (a subprocess through the CLI), checked field by
+field, with the collectives of one decode step compared with ``make_plan`` computed here;
+the roofline at tiny sizes; skipped and failed cells; one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deinfer_megatron.bench import matrix, report, roofline
+from deinfer_megatron.bench.sources import ModelSource
+from deinfer_megatron.cli.main import run
+from deinfer_megatron.decompose.allocation import uniform_ranks
+from deinfer_megatron.models.synthetic import synthetic_arch
+from deinfer_megatron.planning.plan import make_plan
+from deinfer_megatron.specs.rank_config import RankConfig
+
+CLI = [sys.executable, "-m", "deinfer_megatron.cli.main", "bench"]
+GEN_LEN = 4
+
+
+def bench(tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=600, cwd=tmp,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, json.loads((tmp / "out.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dict]:
+    tmp = tmp_path_factory.mktemp("bench")
+    proc, doc = bench(tmp, "--synthetic", "llama-tiny", "--tp", "1,2", "--batch", "1,2", "--gen-len", str(GEN_LEN),
+                      "--json", "out.json", "--markdown", "out.md", "--plot", "out.png")
+    return tmp, proc, doc
+
+
+def expected_plan(layout: str, tp: int) -> dict:
+    arch = synthetic_arch("llama-tiny")
+    ranks = RankConfig.from_mapping(uniform_ranks(arch, 0.6), arch)
+    return make_plan(arch, ranks, layout, tp=tp).totals
+
+
+def test_every_cell_measured_and_matches_the_plan(tiny) -> None:
+    _, _, doc = tiny
+    assert doc["schema"] == report.SCHEMA and doc["counts"] == {"ok": 12, "skipped": 0, "error": 0}
+    cells = {(c["layout"], c["tp"], c["batch"]) for c in doc["cells"]}
+    assert cells == {(l, t, b) for l in ("dense", "naive", "deinfer") for t in (1, 2) for b in (1, 2)}
+    for cell in doc["cells"]:
+        where = f"{cell['layout']} tp={cell['tp']} b={cell['batch']}"
+        s = cell["summary"]
+        for key in ("ttft_s", "prefill_s", "tpot_s", "decode_tokens_per_s", "output_tokens_per_s",
+                    "peak_rss_max_bytes", "kv_cache_bytes", "kv_bytes_per_token", "load_s"):
+            assert s[key] > 0, f"{where}: {key}"
+        assert len(s["peak_rss_bytes"]) == cell["tp"] and min(s["peak_rss_bytes"]) > 0, where
+        assert s["decode_tokens_per_s"] == pytest.approx(cell["batch"] / s["tpot_s"])
+        for rank in cell["ranks"]:  # raw samples: one warm-up plus --repeats timed runs
+            assert len(rank["samples"]) == 3 and rank["warmup"]["tpot_s"] > 0, where
+            for sample in rank["samples"]:
+                assert len(sample["step_s"]) == GEN_LEN - 1 and min(sample["step_s"]) > 0, where
+                assert sample["new_tokens"] == cell["batch"] * GEN_LEN, where
+        plan = expected_plan(cell["layout"], cell["tp"])  # computed here, independently of the bench
+        assert (s["collectives_per_token"], s["elements_per_token"]) == (
+            plan["collectives_per_token"], plan["elements_per_token"]), where
+        assert s["plan_match"], where
+        if cell["tp"] == 2:
+            assert s["collectives_per_token"] > 0 and s["elements_per_token"] > 0, where
+            for rank in cell["ranks"]:  # exactly one decode step: one token per row, every rank alike
+                comm = rank["decode_step_comm"]
+                assert comm["tokens_per_collective"] == [cell["batch"]], where
+                assert (comm["collectives"], comm["elements"]) == (s["collectives_per_token"], s["elements_per_token"])
+    by = {(c["layout"], c["tp"]): c["summary"]["elements_per_token"] for c in doc["cells"]}
+    assert by[("deinfer", 2)] < by[("naive", 2)]
+
+
+def test_speedups_and_reports(tiny) -> None:
+    tmp, proc, doc = tiny
+    assert {(c["tp"], c["batch"]) for c in doc["comparisons"]} == {(t, b) for t in (1, 2) for b in (1, 2)}
+    for c in doc["comparisons"]:
+        assert c["speedup_vs_naive"] > 0 and c["speedup_vs_dense"] > 0
+    md = (tmp / "out.md").read_text()
+    assert md.startswith("# deinfer-megatron bench: llama-tiny") and md.count("\n| deinfer | full |") == 4
+    assert (tmp / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "decode tok/s" in proc.stdout and proc.stdout.count("deinfer") == 4
+    assert not list(tmp.glob(".*.tmp")), "atomic writes leave no temporary files"
+
+
+def test_latent_cache_skips_and_roofline_through_the_cli(tmp_path) -> None:
+    proc, doc = bench(tmp_path, "--synthetic", "llama-tiny", "--tp", "2", "--batch", "2", "--gen-len", "3",
+                      "--repeats", "1", "--layouts", "naive,deinfer", "--kv-cache", "latent", "--roofline",
+                      "--json", "out.json", "--no-progress")
+    skipped, ok = doc["cells"]
+    assert skipped["status"] == "skipped" and "deinfer layout only" in skipped["reason"]
+    assert ok["status"] == "ok" and ok["kv_cache"] == "latent" and ok["summary"]["plan_match"]
+    full = expected_plan("deinfer", 2)
+    assert ok["summary"]["kv_bytes_per_token"] == full["kv_bytes_per_token"]["latent"]
+    machine, bound = doc["roofline"], ok["roofline"]
+    assert machine["copy_gbps"] > 0 and all(g["gflops"] > 0 for g in machine["gemm"])
+    assert bound["bound_s"] > 0 and bound["measured_over_bound"] > 0
+    assert bound["collectives"] == full["collectives_per_token"] + 2  # + embedding and logits
+    assert "bound" in proc.stdout and "skipped" in proc.stdout
+
+
+def test_roofline_smoke_tiny_sizes() -> None:
+    sizes = roofline.RooflineSizes(copy_bytes=1 << 20, gemm_shapes=((2, 64, 64),), comm_sizes=(1, 64, 4096), iters=2)
+    m = roofline.measure_machine(sizes)
+    assert m["copy_gbps"] > 0 and m["gemm"][0]["gflops"] > 0
+    for kind in ("all_reduce", "all_gather"):
+        curve = m["comm_latency_s"][kind]
+        assert set(curve) == {"1", "64", "4096"} and min(curve.values()) > 0
+        assert roofline.latency_s(curve, 8) > 0 and roofline.latency_s(curve, 1 << 20) >= curve["4096"]
+    assert roofline.latency_s({"1": 1e-5, "100": 1e-3}, 10) == pytest.approx(1e-4)
+
+
+def test_failed_cell_is_recorded_and_the_matrix_goes_on(tmp_path) -> None:
+    arch = synthetic_arch("llama-tiny")
+    source = ModelSource("tiny", arch, RankConfig.from_mapping(uniform_ranks(arch, 0.6), arch), tmp_path, tmp_path)
+    cfg = matrix.BenchConfig(synthetic="llama-tiny", layouts=("naive", "deinfer"), kv_caches=("full", "latent"),
+                             tps=(2,), batches=(1,), gen_len=2, progress=False)
+
+    def runner(cell, source, cfg):
+        if cell.layout == "naive":
+            raise RuntimeError("rank 1 ran out of memory\ntraceback ...")
+        return []
+
+    records = matrix.run_matrix(cfg, source, runner=runner)
+    assert [r["status"] for r in records] == ["error", "skipped", "ok", "ok"]
+    assert records[0]["error"] == "RuntimeError: rank 1 ran out of memory"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--synthetic", "llama-huge"], "unknown synthetic model 'llama-huge'"),
+    (["--synthetic", "llama-tiny", "--tp", "3"], "valid TP sizes"),
+    (["--synthetic", "llama-tiny", "--batch", ","], "--batch needs at least one positive integer"),
+    (["--synthetic", "llama-tiny", "--layouts", "fast"], "--layouts: unknown value 'fast'"),
+    (["--synthetic", "llama-tiny", "--gen-len", "1"], "--gen-len must be at least 2"),
+    (["--synthetic", "llama-tiny", "--layouts", "dense", "--kv-cache", "latent"], "no configuration can run"),
+    (["--model", "x", "--ratio", "0.5"], "--ratio applies to --synthetic"),
+    ([], "give exactly one of --model DIR or --synthetic NAME"),
+])
+def test_bad_input_is_one_line(args, message, capsys) -> None:
+    assert run(["bench", *args, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and err[-1].startswith("deinfer-megatron bench: error:")
