@@ -92,13 +92,14 @@ def check_config(cfg: BenchConfig) -> None:
 
 def check_sizes(cfg: BenchConfig, source: ModelSource) -> None:
     """TP sizes and lengths this model cannot take (the same one-line errors as ``plan``)."""
-    from deinfer_megatron.generation.context import slot_length
     from deinfer_megatron.models.build import check_parallel_sizes
 
     for tp in cfg.tps:
         check_parallel_sizes(source.arch, tp, 1)
-    slot_length(max(cfg.prompt_lens) + cfg.gen_len, max_positions=source.arch.max_positions,
-                bytes_per_token=0, slots=1, budget_gb=None)
+    needed, context = max(cfg.prompt_lens) + cfg.gen_len, source.arch.max_positions
+    if needed > context:
+        raise ValueError(f"--prompt-len {max(cfg.prompt_lens)} + --gen-len {cfg.gen_len} = {needed} exceeds "
+                         f"the model's context of {context} tokens; lower one of them")
 
 
 def make_cells(cfg: BenchConfig) -> list[Cell]:

@@ -67,12 +67,19 @@ def text_windows(tokenizer: Any, path: str | Path, *, seq_len: int, max_tokens: 
 
 def self_samples(model: nn.Module, bos_id: int, *, n: int, seq_len: int, seed: int = 0) -> torch.Tensor:
     """``n`` sequences the model samples itself from its BOS token (temperature 1, no top-k/p):
-    calibration data without any external text."""
+    calibration data without any external text.
+
+    Sampling does not stop at the end-of-sequence token: the model goes on as it would after
+    it (for a chat model, the next turn), so the data keeps the model's own format — special
+    tokens included — rather than prose with end-of-sequence suppressed."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=True, max_new_tokens=seq_len - 1, temperature=1.0, top_k=0,
+                              top_p=1.0, eos_token_id=None, pad_token_id=bos_id, bos_token_id=bos_id)
     start = torch.full((n, 1), bos_id, dtype=torch.long)
     with torch.random.fork_rng(), torch.no_grad():
         torch.manual_seed(seed)
-        out = model.generate(start, do_sample=True, max_new_tokens=seq_len - 1, min_new_tokens=seq_len - 1,
-                             temperature=1.0, top_k=0, top_p=1.0, pad_token_id=bos_id)
+        out = model.generate(start, attention_mask=torch.ones_like(start), generation_config=config)
     return out[:, :seq_len]
 
 
