@@ -83,6 +83,45 @@ def self_samples(model: nn.Module, bos_id: int, *, n: int, seq_len: int, seed: i
     return out[:, :seq_len]
 
 
+def self_dialogues(model: nn.Module, tokenizer: Any, *, n: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+    """``[n, seq_len]`` windows of conversations a chat model writes itself.
+
+    Text sampled from BOS alone never shows a chat model its own turn structure, and a model
+    compressed on such data loses the ability to answer in its template. So the model first
+    writes user messages (sampled after the template's opening of a user turn), then answers
+    them; the rendered conversations are concatenated and cut into windows. No external data.
+    """
+    from transformers import GenerationConfig
+
+    marker = "\x00"
+    opening = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    opening = opening[: opening.index(marker)]
+    eos = tokenizer.eos_token_id
+    sample = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=eos)
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"  # generation continues the right end of every row
+    stream: list[int] = []
+    try:
+        with torch.random.fork_rng(), torch.no_grad():
+            torch.manual_seed(seed)
+            while len(stream) < n * seq_len:
+                start = torch.tensor([tokenizer(opening, add_special_tokens=False)["input_ids"]] * n)
+                asked = model.generate(start, attention_mask=torch.ones_like(start),
+                                       generation_config=GenerationConfig(max_new_tokens=48, **sample))
+                users = [tokenizer.decode(r[start.shape[1]:], skip_special_tokens=True).strip() for r in asked]
+                chats = [tokenizer.apply_chat_template([{"role": "user", "content": u}], tokenize=False,
+                                                       add_generation_prompt=True) for u in users]
+                enc = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False)
+                answered = model.generate(**enc, generation_config=GenerationConfig(max_new_tokens=seq_len, **sample))
+                for chat, row in zip(chats, answered):
+                    answer = tokenizer.decode(row[enc["input_ids"].shape[1]:], skip_special_tokens=True)
+                    closed = chat + answer + (tokenizer.eos_token or "") + "\n"
+                    stream += tokenizer(closed, add_special_tokens=False)["input_ids"]
+    finally:
+        tokenizer.padding_side = side
+    return torch.tensor(stream[: n * seq_len]).view(n, seq_len)
+
+
 # ---------------------------------------------------------------------------- layer runner
 
 

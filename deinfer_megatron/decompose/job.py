@@ -13,7 +13,7 @@ import torch
 
 from deinfer_megatron.checkpoints.folder import write_decomposed
 from deinfer_megatron.decompose.allocation import check_ratio
-from deinfer_megatron.decompose.calibration import self_samples, text_windows
+from deinfer_megatron.decompose.calibration import self_dialogues, self_samples, text_windows
 from deinfer_megatron.decompose.run import Plan, decompose_model, decomposed_state
 from deinfer_megatron.models.arch import ModelArch, arch_from_hf_config
 from deinfer_megatron.specs.rank_config import RankConfig
@@ -96,13 +96,29 @@ def _calibration(job: DecomposeJob, model: Any, tokenizer_dir: Path | None, arch
         ids = text_windows(tokenizer, job.calib_text, seq_len=job.calib_seq_len, max_tokens=job.calib_tokens)
         return ids, {"source": f"text:{job.calib_text.name}", "tokens": ids.numel(), "seq_len": job.calib_seq_len}
     if job.calib_self is not None:
-        if arch.bos_token_id is None:
-            raise ValueError("the model config has no bos_token_id to sample from; use --calib-text")
-        ids = self_samples(model, arch.bos_token_id, n=job.calib_self, seq_len=job.calib_seq_len, seed=job.seed)
-        return ids, {"source": f"self:{job.calib_self}", "tokens": ids.numel(), "seq_len": job.calib_seq_len}
+        tokenizer = _maybe_tokenizer(tokenizer_dir)
+        if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+            ids = self_dialogues(model, tokenizer, n=job.calib_self, seq_len=job.calib_seq_len, seed=job.seed)
+            kind = "self-dialogues"
+        elif arch.bos_token_id is not None:
+            ids = self_samples(model, arch.bos_token_id, n=job.calib_self, seq_len=job.calib_seq_len, seed=job.seed)
+            kind = "self"
+        else:
+            raise ValueError("the model has neither a chat template nor a bos_token_id to sample from; use --calib-text")
+        return ids, {"source": f"{kind}:{job.calib_self}", "tokens": ids.numel(), "seq_len": job.calib_seq_len}
     if job.method == "svd":
         return None, {"source": "none"}  # variadic svd ranks from plain singular values
     raise ValueError(f"{job.method} needs calibration data: pass --calib-text FILE or --calib-self N")
+
+
+def _maybe_tokenizer(tokenizer_dir: Path | None) -> Any:
+    """The folder's tokenizer, or None when it has none (a bare config + weights folder)."""
+    import transformers
+
+    if tokenizer_dir is None or not any((Path(tokenizer_dir) / f).is_file()
+                                        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    return transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def _validate(job: DecomposeJob) -> None:

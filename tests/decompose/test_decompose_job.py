@@ -119,12 +119,20 @@ def test_text_shorter_than_a_window(tmp_path: Path) -> None:
         evaluate(PerplexityJob(tmp_path / "dense", short))
 
 
-def test_self_calibration_needs_no_text(tmp_path: Path) -> None:
+@pytest.mark.parametrize("chat", [True, False], ids=["chat-template", "bos-only"])
+def test_self_calibration_needs_no_text(chat: bool, tmp_path: Path) -> None:
     save_tiny_folder("qwen2", tmp_path / "dense")
+    if not chat:  # without a chat template the model samples from its BOS token
+        cfg_path = tmp_path / "dense" / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg.pop("chat_template", None)
+        cfg_path.write_text(json.dumps(cfg))
+        (tmp_path / "dense" / "chat_template.jinja").unlink(missing_ok=True)
     out = run_decompose(DecomposeJob(tmp_path / "dense", "svd-llm", ratio=0.6, allocation="variadic",
                                      calib_self=2, calib_seq_len=32, out=tmp_path / "dec"))
     manifest = json.loads((out / "deinfer_manifest.json").read_text())
-    assert manifest["calibration"] == {"source": "self:2", "tokens": 64, "seq_len": 32}
+    source = "self-dialogues:2" if chat else "self:2"
+    assert manifest["calibration"] == {"source": source, "tokens": 64, "seq_len": 32}
     folder = open_model(out)
     assert len(folder.rank_config.modules) == 4 * 7
     # variadic keeps the uniform budget
@@ -133,3 +141,17 @@ def test_self_calibration_needs_no_text(tmp_path: Path) -> None:
     shapes = folder.arch.linear_shapes()
     spent = sum(r * sum(shapes[n]) for n, r in folder.rank_config.modules.items())
     assert spent <= sum(uniform_rank(*s, 0.6) * sum(s) for s in shapes.values())
+
+
+def test_self_dialogues_follow_the_chat_template(tmp_path: Path) -> None:
+    import transformers
+
+    from deinfer_megatron.decompose.calibration import self_dialogues
+
+    model = save_tiny_folder("llama", tmp_path / "m")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")
+    ids = self_dialogues(model, tok, n=3, seq_len=40, seed=1)
+    assert ids.shape == (3, 40)
+    text = tok.decode(ids.flatten())
+    assert text.startswith("<|im_start|>system\n") and "<|im_start|>user\n" in text
+    assert "<|im_start|>assistant\n" in text
