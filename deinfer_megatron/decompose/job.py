@@ -38,6 +38,7 @@ class DecomposeJob:
     out: Path | None = None
     tokenizer: Path | None = None
     seed: int = 0
+    asvd_alpha: float = 1.0
 
 
 def parse_layers(spec: str, num_layers: int) -> frozenset[int]:
@@ -134,6 +135,8 @@ def _validate(job: DecomposeJob) -> None:
         raise ValueError(f"unknown --allocation {job.allocation!r}; choose uniform or variadic")
     if job.calib_text is not None and job.calib_self is not None:
         raise ValueError("give at most one of --calib-text and --calib-self")
+    if job.asvd_alpha <= 0:
+        raise ValueError(f"--asvd-alpha must be > 0, got {job.asvd_alpha}")
     if job.calib_tokens < job.calib_seq_len:
         raise ValueError(f"--calib-tokens {job.calib_tokens} is less than one window of {job.calib_seq_len}")
 
@@ -153,7 +156,7 @@ def run_decompose(job: DecomposeJob) -> Path:
     explicit = RankConfig.load(job.rank_config, arch).modules if job.rank_config else None
     layers = parse_layers(job.layers, arch.num_layers) if job.layers else frozenset(range(arch.num_layers))
     calib, calib_info = _calibration(job, model, tokenizer_dir, arch)
-    plan = Plan(job.method, explicit, job.ratio, job.allocation, layers, job.sequential)
+    plan = Plan(job.method, explicit, job.ratio, job.allocation, layers, job.sequential, job.asvd_alpha)
     ranks, factors = decompose_model(model, arch, plan, calib)
     rank_config = RankConfig.from_mapping(ranks, arch)
     tensors = decomposed_state(model, factors, arch.tied_embeddings)
@@ -171,6 +174,7 @@ def run_decompose(job: DecomposeJob) -> Path:
             "ratio": job.ratio,
             "allocation": job.allocation if job.rank_config is None else "rank-config",
             "sequential": job.sequential,
+            **({"asvd_alpha": job.asvd_alpha} if job.method == "asvd" else {}),
             "calibration": calib_info,
             "layers": sorted(layers),
             "kept_fraction_of_decomposed": round(kept, 6),

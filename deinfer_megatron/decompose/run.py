@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from deinfer_megatron.decompose.allocation import uniform_rank, variadic_ranks
 from deinfer_megatron.decompose.calibration import InputStats, LayerRunner, capture, collect
-from deinfer_megatron.decompose.factorize import prepare
+from deinfer_megatron.decompose.factorize import ASVD_ALPHA, prepare
 from deinfer_megatron.models.arch import ModelArch
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ class Plan:
     allocation: str  # "uniform" | "variadic"
     layers: frozenset[int]  # layers whose matrices are decomposed (with ratio)
     sequential: bool = True
+    asvd_alpha: float = ASVD_ALPHA
 
 
 def _groups(arch: ModelArch, layer: int) -> list[list[str]]:
@@ -49,10 +50,10 @@ def _groups(arch: ModelArch, layer: int) -> list[list[str]]:
     return [[attn["q"], attn["k"], attn["v"]], [attn["o"]], [mlp["gate"], mlp["up"]], [mlp["down"]]]
 
 
-def _stats_args(method: str, stats: InputStats | None) -> dict[str, Any]:
+def _stats_args(method: str, stats: InputStats | None, alpha: float = ASVD_ALPHA) -> dict[str, Any]:
     if method == "svd" or stats is None:
         return {}
-    return {"gram": stats.gram, "abs_mean": stats.abs_mean}
+    return {"gram": stats.gram, "abs_mean": stats.abs_mean, "alpha": alpha}
 
 
 def _layer_stats(
@@ -68,7 +69,8 @@ def _layer_stats(
 
 
 def measure_losses(
-    model: nn.Module, arch: ModelArch, method: str, targets: Iterable[str], hidden: list[torch.Tensor] | None
+    model: nn.Module, arch: ModelArch, method: str, targets: Iterable[str], hidden: list[torch.Tensor] | None,
+    alpha: float = ASVD_ALPHA,
 ) -> dict[str, torch.Tensor]:
     """Truncation-loss curves of every target matrix on the dense model (one-shot statistics),
     each divided by the mean squared norm of the residual stream entering its layer, so that
@@ -86,7 +88,7 @@ def measure_losses(
             stats, hidden = _layer_stats(runner, layer, hidden, _groups(arch, layer), modules)
         for group in groups:
             for name in group:
-                prepared = prepare(modules[name].weight, method, **_stats_args(method, stats.get(name)))
+                prepared = prepare(modules[name].weight, method, **_stats_args(method, stats.get(name), alpha))
                 losses[name] = prepared.truncation_loss() / energy
     return losses
 
@@ -116,7 +118,7 @@ def decompose_model(
     with torch.no_grad():
         ranks = allocate(
             plan, arch,
-            lambda: measure_losses(model, arch, plan.method, _targets(arch, plan), embed()),
+            lambda: measure_losses(model, arch, plan.method, _targets(arch, plan), embed(), plan.asvd_alpha),
         )
         hidden = embed()
     modules = dict(model.named_modules())
@@ -133,7 +135,7 @@ def decompose_model(
                 stats = collect(runner, layer, hidden, {first: modules[first]}, stop_after=first)[first]
             for name in group:
                 lin = modules[name]
-                u, v = prepare(lin.weight, plan.method, **_stats_args(plan.method, stats)).factors(
+                u, v = prepare(lin.weight, plan.method, **_stats_args(plan.method, stats, plan.asvd_alpha)).factors(
                     ranks[name], dtype=lin.weight.dtype
                 )
                 factors[name] = (u, v)
