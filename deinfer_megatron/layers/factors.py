@@ -203,42 +203,10 @@ class ReducedDown(_Factor):
 
 
 class _Up(_Factor):
-    """Weights ``(sections, rows, cols)`` padded with zero columns to the widest section."""
+    """An up factor: weights ``(sections, rows, cols)``, zero-padded to the widest section.
 
-    def _alloc(self, rows: int, cols: Sequence[int], bias: bool, dtype: torch.dtype) -> None:
-        self.cols = tuple(cols)
-        self.rows = rows
-        n = len(self.cols)
-        self.weight = _param((n, rows, max(self.cols)), dtype)
-        self.bias = _param((n, rows), dtype) if bias else None
-
-    def _fill(self, param: nn.Parameter, shard_id: int, block: torch.Tensor) -> None:
-        dst = param.data[shard_id]
-        dst[:, : block.shape[1]].copy_(block)
-        dst[:, block.shape[1] :].zero_()
-
-    def _load_bias(self, param: nn.Parameter, source: Any, shard_id: int) -> None:
-        _check_shape(source, (self.output_size,), self.prefix, f"bias of section {shard_id}")
-        param.data[shard_id].copy_(read_block(source, self.bias_span.slice))
-
-    def _matmul(self, latents: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """One GEMM per section, batched into a single ``bmm`` when there are several."""
-        if len(latents) == 1:
-            w = self.weight[0, :, : latents[0].shape[-1]]
-            return [F.linear(latents[0], w)]
-        width = self.weight.shape[-1]
-        lead = latents[0].shape[:-1]
-        stacked = torch.stack(
-            [F.pad(c.reshape(-1, c.shape[-1]), (0, width - c.shape[-1])) for c in latents]
-        )
-        out = torch.bmm(stacked, self.weight.transpose(1, 2))
-        return [o.reshape(*lead, self.rows) for o in out]
-
-
-class ShardedUp(_Up):
-    """U rows split by units (``unit_size`` rows each: a head, or 1 for MLP rows); each rank
-    produces only its rows, no communication. Shapes: in tuple of ``[..., r_s]`` full latents
-    → out ``[..., sections · rows]`` with sections side by side (Megatron's ``stride`` layout).
+    Subclasses say which rows this rank produces (``_rows``), which columns of each section's
+    U it holds (``_columns``), and what happens to each section's output (``_finish``).
     """
 
     def __init__(
@@ -257,20 +225,61 @@ class ShardedUp(_Up):
         super().__init__(tp_group, layer_number, prefix)
         self.output_size = output_size
         self.section_ranks = tuple(int(r) for r in section_ranks)
-        self.output_span = unit_split(output_size // unit_size, unit_size, self.tp)
-        self.bias_span = self.output_span
-        self._alloc(self.output_span.size, self.section_ranks, bias, config.params_dtype)
+        self.output_span = self._rows(output_size, unit_size)
+        self.column_spans = tuple(self._columns(r) for r in self.section_ranks)
+        self.rows = self.output_span.size
+        n = len(self.section_ranks)
+        width = max(c.size for c in self.column_spans)
+        self.weight = _param((n, self.rows, width), config.params_dtype)
+        self.bias = _param((n, self.rows), config.params_dtype) if bias else None
+
+    def _rows(self, output_size: int, unit_size: int) -> Span:
+        return Span.whole(output_size)
+
+    def _columns(self, rank: int) -> Span:
+        return Span.whole(rank)
+
+    def _finish(self, out: torch.Tensor) -> torch.Tensor:
+        return out
 
     def _load_weight(self, param: nn.Parameter, source: Any, shard_id: int) -> None:
-        _check_shape(
-            source, (self.output_size, self.section_ranks[shard_id]), self.prefix, "U"
+        _check_shape(source, (self.output_size, self.section_ranks[shard_id]), self.prefix, "U")
+        block = read_block(source, self.output_span.slice, self.column_spans[shard_id].slice)
+        dst = param.data[shard_id]
+        dst[:, : block.shape[1]].copy_(block)
+        dst[:, block.shape[1] :].zero_()
+
+    def _load_bias(self, param: nn.Parameter, source: Any, shard_id: int) -> None:
+        _check_shape(source, (self.output_size,), self.prefix, f"bias of section {shard_id}")
+        param.data[shard_id].copy_(read_block(source, self.output_span.slice))
+
+    def _matmul(self, latents: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """One GEMM per section, batched into a single ``bmm`` when there are several."""
+        if len(latents) == 1:
+            return [F.linear(latents[0], self.weight[0, :, : latents[0].shape[-1]])]
+        width = self.weight.shape[-1]
+        lead = latents[0].shape[:-1]
+        stacked = torch.stack(
+            [F.pad(c.reshape(-1, c.shape[-1]), (0, width - c.shape[-1])) for c in latents]
         )
-        self._fill(param, shard_id, read_block(source, self.output_span.slice))
+        out = torch.bmm(stacked, self.weight.transpose(1, 2))
+        return [o.reshape(*lead, self.rows) for o in out]
 
     def forward(self, latents: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        outs = self._matmul(latents)
+        """Sections side by side; the bias is returned to be added once, by the caller."""
+        outs = [self._finish(o) for o in self._matmul(latents)]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out, (None if self.bias is None else self.bias.reshape(-1))
+
+
+class ShardedUp(_Up):
+    """U rows split by units (``unit_size`` rows each: a head, or 1 for MLP rows); each rank
+    produces only its rows, no communication. Shapes: in tuple of ``[..., r_s]`` full latents
+    → out ``[..., sections · rows]`` with sections side by side (Megatron's ``stride`` layout).
+    """
+
+    def _rows(self, output_size: int, unit_size: int) -> Span:
+        return unit_split(output_size // unit_size, unit_size, self.tp)
 
     def per_unit(self, z: torch.Tensor, unit_size: int) -> torch.Tensor:
         """Apply each unit's rows of U (and bias) to latents already mixed per unit.
@@ -293,74 +302,14 @@ class ReducedUp(_Up):
     The bias is replicated and returned to be added once (after the reduction).
     """
 
-    def __init__(
-        self,
-        output_size: int,
-        section_ranks: Sequence[int],
-        *,
-        config: Any,
-        tp_group: Any,
-        bias: bool,
-        unit_size: int = 1,
-        layer_number: int = 0,
-        prefix: str = "",
-        **_: Any,
-    ) -> None:
-        super().__init__(tp_group, layer_number, prefix)
-        self.output_size = output_size
-        self.section_ranks = tuple(int(r) for r in section_ranks)
-        self.spans = tuple(balanced_split(r, self.tp) for r in self.section_ranks)
-        self.output_span = Span.whole(output_size)
-        self.bias_span = self.output_span
-        self._alloc(output_size, [s.size for s in self.spans], bias, config.params_dtype)
+    def _columns(self, rank: int) -> Span:
+        return balanced_split(rank, self.tp)
 
-    def _load_weight(self, param: nn.Parameter, source: Any, shard_id: int) -> None:
-        _check_shape(
-            source, (self.output_size, self.section_ranks[shard_id]), self.prefix, "U"
-        )
-        block = read_block(source, slice(None), self.spans[shard_id].slice)
-        self._fill(param, shard_id, block)
-
-    def forward(self, latents: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        outs = [
-            comm.all_reduce_sum(o, self.tp, site=self.prefix, layer=self.layer_number)
-            for o in self._matmul(latents)
-        ]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        return out, (None if self.bias is None else self.bias.reshape(-1))
+    def _finish(self, out: torch.Tensor) -> torch.Tensor:
+        return comm.all_reduce_sum(out, self.tp, site=self.prefix, layer=self.layer_number)
 
 
 class ReplicatedUp(_Up):
     """The whole U on every rank, applied to a full latent; no communication. The bias is
     returned once (not scaled by TP). Shapes: in 1-tuple ``[..., r]`` → out ``[..., out]``.
     """
-
-    def __init__(
-        self,
-        output_size: int,
-        section_ranks: Sequence[int],
-        *,
-        config: Any,
-        tp_group: Any,
-        bias: bool,
-        layer_number: int = 0,
-        prefix: str = "",
-        **_: Any,
-    ) -> None:
-        super().__init__(tp_group, layer_number, prefix)
-        self.output_size = output_size
-        self.section_ranks = tuple(int(r) for r in section_ranks)
-        self.output_span = Span.whole(output_size)
-        self.bias_span = self.output_span
-        self._alloc(output_size, self.section_ranks, bias, config.params_dtype)
-
-    def _load_weight(self, param: nn.Parameter, source: Any, shard_id: int) -> None:
-        _check_shape(
-            source, (self.output_size, self.section_ranks[shard_id]), self.prefix, "U"
-        )
-        self._fill(param, shard_id, read_block(source, slice(None)))
-
-    def forward(self, latents: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        outs = self._matmul(latents)
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        return out, (None if self.bias is None else self.bias.reshape(-1))
