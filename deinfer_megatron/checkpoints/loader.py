@@ -31,23 +31,20 @@ Loader = Callable[[nn.Parameter, Any, Any], None]
 OPT_POSITION_OFFSET = 2  # OPT's learned positions start at row 2 of embed_positions
 
 
-def _copy_rows(dst: torch.Tensor, source: Any, rows: slice, valid: int | None = None) -> None:
-    """``dst = source[rows]``; rows past ``valid`` (padding) become zeros."""
-    start, stop = rows.start or 0, rows.stop
-    real_stop = stop if valid is None else min(stop, valid)
-    n = max(real_stop - start, 0)
-    if n:
-        dst[:n].copy_(read_block(source, slice(start, start + n)))
-    dst[n:].zero_()
-
-
 def _replicated(param: nn.Parameter, source: Any, shard: Any) -> None:
     param.data.copy_(read_block(source, slice(None)).reshape(param.shape))
 
 
 def _rows(span: Span, valid: int | None = None, offset: int = 0) -> Loader:
+    """This rank's rows ``span`` of the source (shifted by ``offset`` source rows); rows at or
+    past ``valid`` (vocabulary padding) are zeros."""
+    n = span.size if valid is None else max(0, min(span.stop, valid) - span.start)
+
     def load(param: nn.Parameter, source: Any, shard: Any) -> None:
-        _copy_rows(param.data, source, slice(span.start + offset, span.stop + offset), valid and valid + offset)
+        if n:
+            start = span.start + offset
+            param.data[:n].copy_(read_block(source, slice(start, start + n)))
+        param.data[n:].zero_()
 
     return load
 
