@@ -14,8 +14,10 @@ import warnings
 from typing import Sequence
 
 # Megatron-Core warns at import time about optional GPU packages (Apex, Transformer Engine);
-# on a CPU machine they are expected to be absent. Spawned ranks inherit PYTHONWARNINGS.
-_QUIET = "ignore::UserWarning:megatron"
+# on a CPU machine they are expected to be absent. Its logits gather still calls a torch
+# collective that torch 2.13 deprecates. Spawned ranks inherit PYTHONWARNINGS.
+_QUIET = ("ignore::UserWarning:megatron,"
+          "ignore:`torch.distributed.all_gather_into_tensor` is deprecated:FutureWarning")
 os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), _QUIET]))
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron(\.|$)")
 

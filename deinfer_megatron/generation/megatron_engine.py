@@ -11,8 +11,10 @@ top-p together (Megatron asserts), and more than one end-of-sequence id.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -20,6 +22,20 @@ from deinfer_megatron.generation.context import GenerationContext
 from deinfer_megatron.generation.loop import Generated, OnToken, StopCheck, Timing
 from deinfer_megatron.generation.sampling import SamplingParams
 from deinfer_megatron.models.build import Stage
+
+
+@contextlib.contextmanager
+def _quiet_progress_bar() -> Iterator[None]:
+    """``StaticInferenceEngine.run_engine`` draws a tqdm bar on every rank, unconditionally;
+    the project streams tokens instead, so the bar is disabled while the engine runs."""
+    from megatron.core.inference.engines import static_engine
+
+    bar = static_engine.tqdm
+    static_engine.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        static_engine.tqdm = bar
 
 
 def engine_supports(params: SamplingParams, eos_ids: frozenset[int]) -> str | None:
@@ -147,7 +163,7 @@ def generate_with_engine(
         for i, p in enumerate(prompts)
     ]
     start = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), _quiet_progress_bar():
         results = engine.generate(inference_requests=requests)
     end = time.perf_counter()
     first = type(controller).first_step_at or end
