@@ -39,6 +39,9 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable, arg
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if world <= len(cpus):  # one core per rank: steadier timings, no two ranks on one core
+        os.sched_setaffinity(0, {cpus[rank]})
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

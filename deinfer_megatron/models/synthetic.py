@@ -1,6 +1,11 @@
 """LLaMA-shaped models with random weights, so that sizes that matter can be run and timed
 without a download (``--synthetic NAME``), plus random low-rank factors for them.
 
+The ``*-shape`` models have the layer shapes of LLaMA-1B/7B-class models but only a few layers
+and a 4096-token vocabulary: the benchmark compares the cost of a layer in each layout, and with
+a 32000-token vocabulary the output layer — the same in every layout — would be a third of the
+bytes each rank reads per step in a 4-layer model, hiding the differences being measured.
+
 Weights are drawn with a fixed seed and scaled so activations stay O(1) through the layers; the
 same seed gives the same model on every rank.
 """
@@ -21,10 +26,10 @@ SYNTHETIC: dict[str, dict[str, Any]] = {
                    "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 256},
     "llama-1b-shape": {**_LLAMA, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 4,
                        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-                       "vocab_size": 32000},
+                       "vocab_size": 4096},
     "llama-7b-shape": {**_LLAMA, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 2,
                        "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
-                       "vocab_size": 32000},
+                       "vocab_size": 4096},
 }
 
 
