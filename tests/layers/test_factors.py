@@ -7,7 +7,6 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from deinfer_megatron.layers.factored_linear import DeInferColumnLinear, NaiveFactoredLinear
 from deinfer_megatron.layers.factors import (
@@ -48,7 +47,7 @@ def test_gathered_down_concatenates_to_full_latents(tp: int) -> None:
     for m in mods:
         for s, v in enumerate(vs):
             load(m, "weight", v, s)
-    gathered = torch.cat([F.linear(x, m.weight) for m in mods], dim=-1)  # what all-gather does
+    gathered = torch.cat([x @ m.weight for m in mods], dim=-1)  # what all-gather does
     assert gathered.shape[-1] == tp * -(-sum(ranks) // tp)
     assert torch.all(gathered[..., sum(ranks):] == 0), "padding rows must be zero"
     expected = torch.cat([x @ v.T for v in vs], dim=-1)
@@ -68,7 +67,7 @@ def test_naive_pair_sums_to_full_output(tp: int) -> None:
             load(u, "weight", us[s], s)
     for s in range(2):
         partial = sum(
-            F.linear(F.linear(x, d.weight).split(d.local_ranks, -1)[s], u.weight[s, :, : d.local_ranks[s]])
+            (x @ d.weight).split(d.local_ranks, -1)[s] @ u.weight[s, : d.local_ranks[s]]
             for d, u in zip(downs, ups)
         )
         torch.testing.assert_close(partial, x @ vs[s].T @ us[s].T)
@@ -84,7 +83,7 @@ def test_row_down_sums_and_replicated_up(tp: int) -> None:
         load(d, "weight", v)
         load(up, "weight", u)
         load(up, "bias", b)
-    latent = sum(F.linear(x[:, d.input_span.slice], d.weight) for d in downs)  # all-reduce
+    latent = sum(x[:, d.input_span.slice] @ d.weight for d in downs)  # all-reduce
     for up in ups:
         out, bias = up((latent,))
         torch.testing.assert_close(out + bias, x @ v.T @ u.T + b)
