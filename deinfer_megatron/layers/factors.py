@@ -85,7 +85,36 @@ class _Factor(nn.Module):
 # --------------------------------------------------------------------------------------- down
 
 
-class GatheredDown(_Factor):
+class _Down(_Factor):
+    """A down factor ``Vᵀ`` (in, cols) over one or more sections sharing one input.
+
+    Subclasses set up their split in ``_columns()``, which returns this rank's column count.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        section_ranks: Sequence[int],
+        *,
+        config: Any,
+        tp_group: Any,
+        input_span: Span | None = None,
+        layer_number: int = 0,
+        prefix: str = "",
+        **_: Any,
+    ) -> None:
+        super().__init__(tp_group, layer_number, prefix)
+        self.section_ranks = tuple(int(r) for r in section_ranks)
+        self.input_size = input_size
+        self.input_span = input_span or Span.whole(input_size)
+        cols = self._columns()
+        self.weight = _param((self.input_span.size, cols), config.params_dtype)  # Vᵀ
+
+    def _columns(self) -> int:
+        raise NotImplementedError
+
+
+class GatheredDown(_Down):
     """Merged ``V = [V_0; V_1; ...]`` (Σr × in), rows split evenly after zero-padding to a
     multiple of TP. Rank i holds padded rows ``[i·c, (i+1)·c)``; one all-gather of ``t·c``
     elements per token rebuilds every section's full latent on every rank.
@@ -95,23 +124,9 @@ class GatheredDown(_Factor):
 
     full_latents = True  # every rank holds whole latents: they can be cached and re-expanded
 
-    def __init__(
-        self,
-        input_size: int,
-        section_ranks: Sequence[int],
-        *,
-        config: Any,
-        tp_group: Any,
-        layer_number: int = 0,
-        prefix: str = "",
-        **_: Any,
-    ) -> None:
-        super().__init__(tp_group, layer_number, prefix)
-        self.section_ranks = tuple(int(r) for r in section_ranks)
-        self.input_size = input_size
-        total = sum(self.section_ranks)
-        self.chunk = padded_chunk(total, self.tp.size)
-        self.weight = _param((input_size, self.chunk), config.params_dtype)  # Vᵀ
+    def _columns(self) -> int:
+        self.chunk = padded_chunk(sum(self.section_ranks), self.tp.size)
+        return self.chunk
 
     def _load_weight(self, param: nn.Parameter, source: Any, shard_id: int) -> None:
         rank = self.section_ranks[shard_id]
@@ -133,30 +148,17 @@ class GatheredDown(_Factor):
         return torch.split(latent[..., : sum(self.section_ranks)], self.section_ranks, dim=-1)
 
 
-class ShardedDown(_Factor):
+class ShardedDown(_Down):
     """Each section's V rows split (balanced) over ranks, merged into one local GEMM; no
     communication. Shapes: in ``[..., in]`` → out tuple of ``[..., r_s/t]`` partial latents.
     """
 
     full_latents = False
 
-    def __init__(
-        self,
-        input_size: int,
-        section_ranks: Sequence[int],
-        *,
-        config: Any,
-        tp_group: Any,
-        layer_number: int = 0,
-        prefix: str = "",
-        **_: Any,
-    ) -> None:
-        super().__init__(tp_group, layer_number, prefix)
-        self.section_ranks = tuple(int(r) for r in section_ranks)
-        self.input_size = input_size
+    def _columns(self) -> int:
         self.spans = tuple(balanced_split(r, self.tp) for r in self.section_ranks)
         self.local_ranks = tuple(s.size for s in self.spans)
-        self.weight = _param((input_size, sum(self.local_ranks)), config.params_dtype)  # Vᵀ
+        return sum(self.local_ranks)
 
     def _load_weight(self, param: nn.Parameter, source: Any, shard_id: int) -> None:
         rank = self.section_ranks[shard_id]
@@ -169,32 +171,23 @@ class ShardedDown(_Factor):
         return torch.split(x @ self.weight, self.local_ranks, dim=-1)
 
 
-class ReducedDown(_Factor):
-    """V (r × in) with its input columns split like the input (``input_span``); the partial
-    latents are summed by one all-reduce of r elements per token.
+class ReducedDown(_Down):
+    """V (r × in) with its input columns split like the input (``input_span``, Megatron's even
+    split by default); the partial latents are summed by one all-reduce of r elements per token.
 
     Shapes: in ``[..., input_span.size]`` → out 1-tuple of ``[..., r]`` (full latent).
     """
 
-    def __init__(
-        self,
-        input_size: int,
-        section_ranks: Sequence[int],
-        *,
-        config: Any,
-        tp_group: Any,
-        input_span: Span | None = None,
-        layer_number: int = 0,
-        prefix: str = "",
-        **_: Any,
-    ) -> None:
-        super().__init__(tp_group, layer_number, prefix)
+    def __init__(self, input_size: int, section_ranks: Sequence[int], *, tp_group: Any,
+                 input_span: Span | None = None, prefix: str = "", **kwargs: Any) -> None:
         if len(section_ranks) != 1:
             raise ValueError(f"{prefix}: a row-parallel down factor has exactly one section")
-        self.section_ranks = (int(section_ranks[0]),)
-        self.input_size = input_size
-        self.input_span = input_span or balanced_split(input_size, self.tp)
-        self.weight = _param((self.input_span.size, self.section_ranks[0]), config.params_dtype)  # Vᵀ
+        span = input_span or balanced_split(input_size, TPView.of(tp_group))
+        super().__init__(input_size, section_ranks, tp_group=tp_group, input_span=span,
+                         prefix=prefix, **kwargs)
+
+    def _columns(self) -> int:
+        return self.section_ranks[0]
 
     def _load_weight(self, param: nn.Parameter, source: Any, shard_id: int) -> None:
         _check_shape(source, (self.section_ranks[0], self.input_size), self.prefix, "V")
