@@ -82,9 +82,11 @@ def spawn_local(world: int, fn: Callable, *args: Any, timeout: float | None = No
                 timed_out = True
                 break
             time.sleep(0.05)
-        for p in procs:
+        stopped = set()  # ranks this launcher killed itself (after a peer failed, or on timeout)
+        for rank, p in enumerate(procs):
             if p.is_alive():
                 p.kill()
+                stopped.add(rank)
             p.join()
         results = []
         for rank, p in enumerate(procs):
@@ -92,6 +94,11 @@ def spawn_local(world: int, fn: Callable, *args: Any, timeout: float | None = No
             results.append(pickle.loads(path.read_bytes()) if path.exists() else None)
     if timed_out:
         raise TimeoutError(f"the {world} ranks did not finish within {timeout:.0f} s")
+    # A rank that vanished (killed, crashed) is the cause; its peers' errors are echoes of it.
+    died = [r for r, res in enumerate(results) if res is None and r not in stopped]
+    if died:
+        codes = ", ".join(f"rank {r} (exit code {procs[r].exitcode})" for r in died)
+        raise RankFailed(f"{codes} died; the other ranks were stopped")
     user = {cls.__name__: cls for cls in _USER_ERRORS}
     errors = [(r, res) for r, res in enumerate(results) if res is not None and res[0] == "error"]
     errors.sort(key=lambda e: e[1][1] not in user)  # a user error is the cause, not its echoes
@@ -102,8 +109,6 @@ def spawn_local(world: int, fn: Callable, *args: Any, timeout: float | None = No
             err.add_note(f"raised on rank {rank}:\n{tb}")
             raise err
         raise RankFailed(f"rank {rank} failed with {kind}: {message}\n{tb}")
-    dead = [r for r, res in enumerate(results) if res is None]
-    if dead:
-        codes = ", ".join(f"rank {r}: exit {procs[r].exitcode}" for r in dead)
-        raise RankFailed(f"rank(s) died without a result ({codes})")
+    if any(res is None for res in results):
+        raise RankFailed("ranks were stopped without a result or an error")  # not expected
     return [res[1] for res in results]
