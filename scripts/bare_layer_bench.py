@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """A bare torch + gloo decode step of llama-1b-shaped layers in the three layouts, with none of
-the project's code: the reference the `bench` numbers are judged against.
+the project's layers or collectives (only its rank formula, so the shapes are those `bench`
+times): the reference the `bench` numbers are judged against.
 
 The issue that asked for the benchmark quoted "about 2.1x over naive and 1.5x over dense" for a
 bare single-layer implementation; this script is how we checked what such an implementation
@@ -28,14 +29,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from deinfer_megatron.decompose.allocation import uniform_rank
+
 H, INTER, HEADS, KV_HEADS, HEAD_DIM = 2048, 5632, 16, 8, 128
 KV = KV_HEADS * HEAD_DIM
 STEPS, WARMUP = 40, 10
-
-
-def rank_of(m: int, n: int, ratio: float) -> int:
-    """Uniform rank keeping `ratio` of an m x n matrix's parameters (as `decompose` does)."""
-    return int(ratio * m * n / (m + n))
 
 
 def attend(q, k, v, cache_k, cache_v, heads: int, kv_heads: int) -> torch.Tensor:
@@ -51,8 +49,8 @@ def attend(q, k, v, cache_k, cache_v, heads: int, kv_heads: int) -> torch.Tensor
 def build_layer(layout: str, t: int, a: argparse.Namespace) -> dict[str, torch.Tensor]:
     """Per-rank weights of one layer (input-major) and its KV cache."""
     w = lambda i, o: torch.randn(i, o) * 0.02  # noqa: E731
-    rq, rk, ro = rank_of(H, H, a.ratio), rank_of(H, KV, a.ratio), rank_of(H, H, a.ratio)
-    rg, rd = rank_of(H, INTER, a.ratio), rank_of(INTER, H, a.ratio)
+    rq = ro = uniform_rank(H, H, a.ratio)
+    rk, rg, rd = uniform_rank(KV, H, a.ratio), uniform_rank(INTER, H, a.ratio), uniform_rank(H, INTER, a.ratio)
     heads, kv_heads = HEADS // t, KV_HEADS // t
     if layout == "dense":
         L = dict(qkv=w(H, (H + 2 * KV) // t), o=w(H // t, H), gu=w(H, 2 * INTER // t), down=w(INTER // t, H))
