@@ -14,7 +14,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from deinfer_megatron.checkpoints.gguf import convert_gguf_to_hf, is_complete
+from deinfer_megatron.checkpoints.gguf import convert_gguf_to_hf, converted_by_us, is_complete
+from deinfer_megatron.files.staging import claim_output
 
 
 @dataclass(frozen=True)
@@ -68,23 +69,30 @@ def cache_dir() -> Path:
     return base / "deinfer_megatron"
 
 
-def fetch_model(name: str, out: Path | None = None) -> Path:
+def fetch_model(name: str, out: Path | None = None, *, overwrite: bool = False) -> Path:
     """Return a Hugging Face folder for embedded model ``name``, converting it only if needed.
 
     ``out`` is the folder to use (default ``cache_dir() / name``). A folder whose manifest shows
-    a complete conversion of the same source file is returned as is; anything else (missing,
-    half-written, stale) is reconverted. A file lock serialises concurrent callers.
+    a complete conversion of the same source file is returned as is. Otherwise ``out`` must be
+    absent or empty — or, with ``overwrite``, an earlier conversion (stale or unfinished): a
+    folder this project did not write is never replaced. The cache folder is the project's own,
+    so an outdated conversion there is replaced without asking. A lock on the parent folder
+    serialises concurrent callers.
     """
     source = gguf_path(name)
     folder = Path(out) if out is not None else cache_dir() / name
     if is_complete(folder, source):
         return folder
+    replace = overwrite or out is None
+    claim_output(folder, overwrite=replace, is_ours=converted_by_us)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+    # The lock is taken on the parent folder itself, so no lock file is left beside the output.
+    lock = os.open(folder.parent, os.O_RDONLY)
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not is_complete(folder, source):  # another process may have finished meanwhile
-                convert_gguf_to_hf(source, folder)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        if not is_complete(folder, source):  # another process may have finished meanwhile
+            claim_output(folder, overwrite=replace, is_ours=converted_by_us)
+            convert_gguf_to_hf(source, folder)
+    finally:
+        os.close(lock)  # closing releases the lock
     return folder

@@ -4,8 +4,19 @@
 A decomposed folder is a Hugging Face folder (``config.json``, tokenizer files) plus
 ``rank_config.json``, factors in safetensors named ``<module>.u`` / ``<module>.v`` (dense
 matrices keep ``<module>.weight``), and ``deinfer_manifest.json`` with a SHA-256 per file. It is
-written to a temporary sibling folder and renamed into place, so a folder that exists is
-complete. Opening it verifies the manifest and names the file that does not match.
+written to a temporary sibling folder and renamed into place (``files.staging``), so a folder
+that exists is complete.
+
+What loading checks — weights that were not verified are never served:
+
+* a decomposed folder needs its manifest, listing at least the config, the rank config and
+  every weight file, each with the SHA-256 it was written with (``verify=False``, the CLI's
+  ``--no-verify``, accepts a folder made elsewhere);
+* a folder converted by ``fetch-model`` is checked against its own manifest the same way;
+* always: every tensor's shape against what ``config.json`` and the rank config imply
+  (``hf_names.expected_shapes``), readable safetensors headers, and — when the weights are
+  loaded — finite values (``checkpoints.loader``);
+* the temporary folder of an unfinished run is never a model.
 
 Tensors are exposed as a lazy mapping (name → safetensors slice): a rank reads only the rows
 and columns of its own shards.
@@ -13,19 +24,22 @@ and columns of its own shards.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from deinfer_megatron.checkpoints.gguf import MANIFEST_NAME as CONVERTED_MANIFEST
+from deinfer_megatron.checkpoints.gguf import converted_by_us
+from deinfer_megatron.checkpoints.hf_names import expected_shapes
+from deinfer_megatron.files import failpoints
+from deinfer_megatron.files.checksums import sha256
+from deinfer_megatron.files.staging import claim_output, is_temporary, staged_folder
 from deinfer_megatron.models.arch import ModelArch, load_arch
 from deinfer_megatron.specs.rank_config import RankConfig
 
@@ -42,7 +56,15 @@ class SafetensorsSource(Mapping[str, Any]):
     """Tensor name → lazy ``safetensors`` slice, over one or more files."""
 
     def __init__(self, files: list[Path]) -> None:
-        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._handles = []
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"weight file {f} is missing; the folder is incomplete")
+            try:
+                self._handles.append(safe_open(str(f), framework="pt"))
+            except SafetensorError as err:
+                raise ValueError(f"{f} is not a readable safetensors file ({err}); it is truncated "
+                                 "or corrupted — re-create or re-download it") from None
         self._where = {name: h for h in self._handles for name in h.keys()}
 
     def __getitem__(self, name: str) -> Any:
@@ -70,19 +92,29 @@ class ModelFolder:
         return bool(self.rank_config.modules)
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({what}): {err}") from None
+
+
+def is_project_folder(path: Path) -> bool:
+    """Whether ``path`` is a model folder this project wrote (decomposed, or converted by
+    ``fetch-model``): the only kind ``--overwrite`` may replace."""
+    path = Path(path)
+    try:
+        ours = json.loads((path / MANIFEST).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    return ours or converted_by_us(path)
 
 
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / f for f in files]
+        weight_map = _read_json(index, "safetensors index").get("weight_map", {})
+        return [path / f for f in sorted(set(weight_map.values()))]
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
@@ -92,9 +124,24 @@ def _weight_files(path: Path) -> list[Path]:
     )
 
 
-def verify_manifest(path: Path, manifest: Mapping[str, Any]) -> None:
-    """Check every file's SHA-256 against the manifest; name the first that differs."""
-    for name, expected in manifest.get("files", {}).items():
+def verify_manifest(path: Path, manifest: Mapping[str, Any], required: Sequence[str] = (),
+                    only: Sequence[str] | None = None) -> None:
+    """Check every file's SHA-256 against the manifest (``only`` those named, when given);
+    name the first that differs.
+
+    ``required`` files must be listed: a manifest that vouches for nothing verifies nothing.
+    """
+    files = manifest.get("files")
+    if not isinstance(files, Mapping) or not files:
+        raise ValueError(f"{path / MANIFEST} lists no files, so nothing in {path} is verified; "
+                         "re-create the folder (or pass --no-verify for a folder made elsewhere)")
+    unlisted = [name for name in required if name not in files]
+    if unlisted:
+        raise ValueError(f"{path / MANIFEST} does not list {unlisted[0]}; re-create the folder "
+                         "(or pass --no-verify for a folder made elsewhere)")
+    for name, expected in files.items():
+        if only is not None and name not in only:
+            continue
         f = path / name
         if not f.is_file():
             raise ValueError(f"{f} is listed in {MANIFEST} but missing; the folder is incomplete")
@@ -102,35 +149,94 @@ def verify_manifest(path: Path, manifest: Mapping[str, Any]) -> None:
             raise ValueError(f"{f} is corrupted (SHA-256 differs from {MANIFEST}); re-create the folder")
 
 
-def open_model(path: str | Path, *, verify: bool = True) -> ModelFolder:
-    """Open a dense Hugging Face folder or a decomposed folder (manifest verified)."""
-    path = Path(path)
+def _verify_conversion(path: Path, only: Sequence[str] | None = None) -> None:
+    """A ``fetch-model`` folder against its own manifest (sizes, and SHA-256 where recorded)."""
+    manifest = _read_json(path / CONVERTED_MANIFEST, "fetch-model manifest")
+    for name, entry in manifest.get("files", {}).items():
+        if only is not None and name not in only:
+            continue
+        f = path / name
+        size, digest = (entry, None) if isinstance(entry, int) else (entry.get("size"), entry.get("sha256"))
+        if not f.is_file() or f.stat().st_size != size or (digest is not None and sha256(f) != digest):
+            raise ValueError(f"{f} is missing or corrupted (it differs from {CONVERTED_MANIFEST}); "
+                             "re-create the folder with `deinfer-megatron fetch-model --overwrite`")
+
+
+def _open_checked(path: Path, verify: bool, *, weights: bool) -> tuple[ModelArch, RankConfig, Any, list[Path]]:
+    """(arch, rank config, manifest, weight files) of a folder, with the manifest checked as
+    the module says — of every file with ``weights``, else of config and rank config only."""
+    if is_temporary(path):
+        raise ValueError(f"{path} is the temporary folder of a run that did not finish; it is never "
+                         "loaded (rerun the command that writes it; the next run removes it)")
     arch = load_arch(path)
-    manifest = None
-    if (path / MANIFEST).is_file():
-        manifest = json.loads((path / MANIFEST).read_text())
-        if verify:
-            verify_manifest(path, manifest)
     rank_file = path / RANK_CONFIG
+    manifest = _read_json(path / MANIFEST, "manifest") if (path / MANIFEST).is_file() else None
+    files = _weight_files(path) if weights else []
+    configs = ["config.json", *([RANK_CONFIG] if rank_file.is_file() else [])]
+    if verify and (rank_file.is_file() or manifest is not None):
+        if manifest is None:
+            raise ValueError(
+                f"{path} has {RANK_CONFIG} but no {MANIFEST}, so it cannot be verified; re-create it "
+                "with `deinfer-megatron decompose` (or pass --no-verify for a folder made elsewhere)"
+            )
+        required = [*configs, *(f.name for f in files)]
+        verify_manifest(path, manifest, required, only=None if weights else configs)
+    elif verify and (path / CONVERTED_MANIFEST).is_file():
+        _verify_conversion(path, only=None if weights else configs)
     rank_config = RankConfig.load(rank_file, arch) if rank_file.is_file() else RankConfig.dense(arch)
-    source = SafetensorsSource(_weight_files(path))
-    _check_factors(source, rank_config, path)
+    return arch, rank_config, manifest, files
+
+
+def open_model(path: str | Path, *, verify: bool = True) -> ModelFolder:
+    """Open a dense Hugging Face folder or a decomposed folder, checked as the module says.
+
+    ``verify=False`` skips the manifest (a decomposed folder made elsewhere); shapes are
+    always checked.
+    """
+    path = Path(path)
+    arch, rank_config, manifest, files = _open_checked(path, verify, weights=True)
+    source = SafetensorsSource(files)
+    _check_tensors(source, arch, rank_config, path)
     return ModelFolder(path, arch, rank_config, source, manifest)
 
 
-def _check_factors(source: Mapping[str, Any], rank_config: RankConfig, path: Path) -> None:
-    """Every decomposed module has u and v of its configured rank, and nothing else disagrees."""
-    for module, rank in rank_config.modules.items():
-        for suffix, axis in (("u", 1), ("v", 0)):
-            key = f"{module}.{suffix}"
-            if key not in source:
-                raise ValueError(f"{path}: {key} is missing but {RANK_CONFIG} decomposes {module}")
-            shape = source[key].get_shape()
-            if shape[axis] != rank:
-                raise ValueError(
-                    f"{path}: {key} has rank {shape[axis]} but {RANK_CONFIG} says {rank}; "
-                    "the factors and the rank config disagree"
-                )
+def open_config(path: str | Path, *, verify: bool = True) -> tuple[ModelArch, RankConfig]:
+    """A folder's architecture and rank config (verified like ``open_model``, weights unread):
+    what ``plan`` needs."""
+    arch, rank_config, _, _ = _open_checked(Path(path), verify, weights=False)
+    return arch, rank_config
+
+
+def _shape(source: Mapping[str, Any], name: str) -> tuple[int, ...]:
+    item = source[name]
+    return tuple(item.shape if isinstance(item, torch.Tensor) else item.get_shape())
+
+
+def _check_tensors(source: Mapping[str, Any], arch: ModelArch, rank_config: RankConfig, path: Path) -> None:
+    """Every tensor the model needs is there, with the shape config.json and the rank config
+    imply; factors of a matrix the rank config keeps dense (or the reverse) are named."""
+    expected = expected_shapes(arch, rank_config)
+    for name, (shape, required) in expected.items():
+        if name not in source:
+            if not required:
+                continue
+            module, _, suffix = name.rpartition(".")
+            if suffix in ("u", "v") and f"{module}.weight" in source:
+                raise ValueError(f"{path}: {name} is missing but {RANK_CONFIG} decomposes {module}")
+            if suffix == "weight" and f"{module}.u" in source:
+                raise ValueError(f"{path}: {module} is stored as factors but {RANK_CONFIG} does not "
+                                 "list it; the factors and the rank config disagree")
+            raise ValueError(f"{path}: tensor {name} is missing from the weights")
+        got = _shape(source, name)
+        if got == shape:
+            continue
+        module, _, suffix = name.rpartition(".")
+        axis = {"u": 1, "v": 0}.get(suffix)
+        if axis is not None and len(got) == 2 and got[1 - axis] == shape[1 - axis]:
+            raise ValueError(f"{path}: {name} has rank {got[axis]} but {RANK_CONFIG} says "
+                             f"{shape[axis]}; the factors and the rank config disagree")
+        raise ValueError(f"{path}: tensor {name} has shape {list(got)} but config.json implies "
+                         f"{list(shape)}; the weights and config.json disagree")
 
 
 def _shards(tensors: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -154,12 +260,21 @@ def write_decomposed(
     rank_config: RankConfig,
     tokenizer_dir: str | Path | None,
     metadata: Mapping[str, Any],
+    overwrite: bool = False,
+    inputs: tuple[Path, ...] = (),
 ) -> Path:
-    """Write a decomposed folder atomically: temp sibling folder, manifest last, then rename."""
+    """Write a decomposed folder atomically: temporary sibling, manifest last, then one rename.
+
+    ``out`` must not exist, be empty, or — with ``overwrite`` — be a folder this project wrote
+    (``files.staging.claim_output``); it is checked again just before the rename.
+    """
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
+
+    def claim() -> None:
+        claim_output(out, overwrite=overwrite, is_ours=is_project_folder, inputs=inputs)
+
+    claim()
+    with staged_folder(out, before_publish=claim) as tmp:
         (tmp / "config.json").write_text(json.dumps(dict(config), indent=1))
         rank_config.save(tmp / RANK_CONFIG)
         if tokenizer_dir is not None:
@@ -167,26 +282,15 @@ def write_decomposed(
                 if (Path(tokenizer_dir) / name).is_file():
                     shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
         shards = _shards(tensors)
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-                weight_map.update({k: fname for k in shard})
+        names = (["model.safetensors"] if len(shards) == 1 else
+                 [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        for fname, shard in zip(names, shards):
+            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+            failpoints.point("decompose.after-weights")
+        if len(shards) > 1:
+            weight_map = {k: fname for fname, shard in zip(names, shards) for k in shard}
             (tmp / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
         files = {p.name: sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         manifest = {"format": FORMAT, **dict(metadata), "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        if out.exists():
-            backup = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(backup)
-            tmp.rename(out)
-            shutil.rmtree(backup)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

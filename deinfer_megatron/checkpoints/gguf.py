@@ -8,25 +8,25 @@ independent references (``gguf.quants`` and transformers' own GGUF loader) rathe
 
 Output folder: ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32, HF
 LLaMA names), ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json`` and,
-written last, ``gguf_manifest.json`` (its presence means the folder is complete).
+written last, ``gguf_manifest.json`` (size and SHA-256 of every file; its presence means the
+folder is complete, and loading checks the files against it).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from deinfer_megatron.checkpoints.gguf_tokenizer import tokenizer_files
+from deinfer_megatron.files.checksums import sha256
+from deinfer_megatron.files.staging import staged_folder
 
 MANIFEST_NAME = "gguf_manifest.json"
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: the manifest records SHA-256 as well as sizes
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 # ggml tensor type ids (ggml.h, enum ggml_type) -> (elements per block, bytes per block).
@@ -246,9 +246,10 @@ def _write_json(path: Path, payload: Any) -> None:
 def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
     """Convert ``gguf_path`` into a Hugging Face folder at ``out_dir`` and return ``out_dir``.
 
-    Everything is written into a hidden temporary sibling folder which is renamed into place
-    only once complete (manifest last), so a crash never leaves a half-written ``out_dir``. An
-    existing ``out_dir`` is replaced.
+    Everything is written into a hidden temporary sibling folder which replaces ``out_dir`` in
+    one rename once complete (manifest last), so a crash never leaves a half-written
+    ``out_dir``. The caller decides whether an existing ``out_dir`` may be replaced
+    (``embedded.fetch_model`` claims it first).
     """
     from safetensors.numpy import save_file
 
@@ -259,11 +260,7 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
     config = build_config(meta, vocab_size, tied="lm_head.weight" not in state)
     files = tokenizer_files(meta, config["max_position_embeddings"])
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    old = None
-    try:
+    with staged_folder(out_dir) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del state
         _write_json(tmp / "config.json", config)
@@ -276,21 +273,24 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
             "source": gguf_path.name,
             "source_size": gguf_path.stat().st_size,
             "architecture": arch,
-            "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir())},
+            "files": {p.name: {"size": p.stat().st_size, "sha256": sha256(p)} for p in sorted(tmp.iterdir())},
         }
         _write_json(tmp / MANIFEST_NAME, manifest)
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not out_dir.exists():
-            os.rename(old, out_dir)  # put the previous conversion back
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     return out_dir
+
+
+def _manifest(folder: Path) -> dict[str, Any] | None:
+    try:
+        manifest = json.loads((Path(folder) / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def converted_by_us(folder: Path) -> bool:
+    """Whether ``folder`` holds this converter's manifest (complete or not, any version)."""
+    manifest = _manifest(folder)
+    return manifest is not None and manifest.get("converter") == __name__
 
 
 def is_complete(folder: Path, gguf_path: Path | None = None) -> bool:
@@ -299,14 +299,13 @@ def is_complete(folder: Path, gguf_path: Path | None = None) -> bool:
     With ``gguf_path`` the manifest must also name a source of the same size, so a changed
     GGUF (package upgrade) triggers a reconversion.
     """
-    try:
-        manifest = json.loads((Path(folder) / MANIFEST_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    if manifest.get("converter_version") != CONVERTER_VERSION:
+    manifest = _manifest(folder)
+    if manifest is None or manifest.get("converter_version") != CONVERTER_VERSION:
         return False
     if gguf_path is not None and manifest.get("source_size") != Path(gguf_path).stat().st_size:
         return False
     files = manifest.get("files", {})
-    return all((Path(folder) / name).is_file() and (Path(folder) / name).stat().st_size == size
-               for name, size in files.items())
+    return bool(files) and all(
+        (Path(folder) / name).is_file() and (Path(folder) / name).stat().st_size == entry["size"]
+        for name, entry in files.items()
+    )

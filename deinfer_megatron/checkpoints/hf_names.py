@@ -132,3 +132,38 @@ class NameMap:
             base, shard = _dense_target(role)
             name = f"{base}.{suffix}"
         return Target(f"decoder.layers.{layer}.{name}", shard, layer)
+
+
+def expected_shapes(arch: ModelArch, rank_config: RankConfig) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """Every Hugging Face tensor of the model → ``(shape, required)``, as config.json and the
+    rank config imply. Decomposed matrices appear as ``.u`` (out × r) and ``.v`` (r × in); a
+    tied output layer (``lm_head.weight``) may be absent."""
+    h = arch.hidden_size
+    out: dict[str, tuple[tuple[int, ...], bool]] = {}
+    for name in _GLOBAL[arch.family]:
+        out[name] = ((h,), True)
+    out[embedding_name(arch)] = ((arch.vocab_size, h), True)
+    out["lm_head.weight"] = ((arch.vocab_size, h), not arch.tied_embeddings)
+    if arch.family == "opt":
+        out["model.decoder.embed_positions.weight"] = ((arch.max_positions + 2, h), True)
+    shapes = arch.linear_shapes()
+    for layer in range(arch.num_layers):
+        for suffix in _NORMS[arch.family]:
+            out[f"{arch.layer_prefix}.{layer}.{suffix}"] = ((h,), True)
+        roles = {**arch.attention_modules(layer), **arch.mlp_modules(layer)}
+        for role, module in roles.items():
+            rows, cols = shapes[module]
+            rank = rank_config.modules.get(module)
+            if rank is None:
+                out[f"{module}.weight"] = ((rows, cols), True)
+            else:
+                out[f"{module}.u"] = ((rows, rank), True)
+                out[f"{module}.v"] = ((rank, cols), True)
+            if arch.linear_bias or (arch.qkv_bias and role in _QKV_INDEX):
+                out[f"{module}.bias"] = ((rows,), True)
+    return out
+
+
+def embedding_name(arch: ModelArch) -> str:
+    """The Hugging Face name of the token embedding (also the tied output layer's weight)."""
+    return "model.decoder.embed_tokens.weight" if arch.family == "opt" else "model.embed_tokens.weight"

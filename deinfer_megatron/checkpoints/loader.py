@@ -20,7 +20,7 @@ from torch import nn
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 
-from deinfer_megatron.checkpoints.hf_names import NameMap
+from deinfer_megatron.checkpoints.hf_names import NameMap, embedding_name
 from deinfer_megatron.layers.dense import CountedRowParallelLinear
 from deinfer_megatron.layers.factors import read_block
 from deinfer_megatron.models.arch import ModelArch
@@ -178,15 +178,17 @@ def load_stage(
         model: an empty (``to_empty``) ``GPTModel`` stage.
         layer_offset, num_local_layers: which global layers this pipeline stage holds.
     Raises:
-        ValueError: a tensor that fits no parameter of the model, or a parameter left empty.
+        ValueError: a tensor that fits no parameter of the model, a parameter left empty, or
+            one holding non-finite values (a corrupted file that no manifest vouched for).
     """
     params = dict(model.named_parameters())
     loaders = _loaders(model, arch)
     names = NameMap(arch, rank_config)
     filled: dict[str, set] = {}
+    origin: dict[str, list[str]] = {}  # our parameter → the Hugging Face tensors it was read from
     aliases = {}
     if arch.tied_embeddings and "output_layer.weight" in params and "lm_head.weight" not in source:
-        aliases["output_layer.weight"] = _embedding_name(arch)
+        aliases["output_layer.weight"] = embedding_name(arch)
     for hf_name in source:
         target = names.target(hf_name)
         if target is None:
@@ -197,18 +199,23 @@ def load_stage(
                 continue
             local = local.replace(f"layers.{target.layer}.", f"layers.{target.layer - layer_offset}.", 1)
         _load_one(params, loaders, local, source[hf_name], target.shard, hf_name, filled)
+        origin.setdefault(local, []).append(hf_name)
     for ours, hf_name in aliases.items():
         _load_one(params, loaders, ours, source[hf_name], None, hf_name, filled)
+        origin.setdefault(ours, []).append(hf_name)
     missing = [n for n in params if len(filled.get(n, ())) < loaders[n][1]]
     if missing:
         raise ValueError(
             f"checkpoint leaves {len(missing)} parameter(s) of this stage empty, e.g. {missing[:3]}; "
             "it does not match the model config or its rank_config.json"
         )
-
-
-def _embedding_name(arch: ModelArch) -> str:
-    return "model.decoder.embed_tokens.weight" if arch.family == "opt" else "model.embed_tokens.weight"
+    for name, param in params.items():
+        if not torch.isfinite(param).all():
+            raise ValueError(
+                f"tensor {' or '.join(map(repr, origin.get(name, [name])))} holds NaN or infinite "
+                "values; the checkpoint"
+                " is corrupted — re-create or re-download it"
+            )
 
 
 def _load_one(

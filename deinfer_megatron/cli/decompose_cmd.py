@@ -24,14 +24,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", help="layers to decompose, e.g. '0-9,12' (default: all)")
     p.add_argument("--no-sequential", dest="sequential", action="store_false",
                    help="take every statistic from the dense model (one-shot)")
-    p.add_argument("--out", type=Path, help="output folder (default: beside the model)")
+    p.add_argument("--out", type=Path, help="output folder (default: beside the model); must not exist or be empty")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it is a model folder made by deinfer-megatron (never anything else)")
     p.add_argument("--tokenizer", type=Path, help="tokenizer folder (needed for Megatron checkpoints)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--asvd-alpha", type=float, default=1.0, help="asvd: exponent of the channel scaling")
     p.set_defaults(make_config=lambda a: DecomposeJob(
         a.model, a.method, a.ratio, a.rank_config, a.allocation, a.calib_text, a.calib_self,
         a.calib_tokens, a.calib_seq_len, a.layers, a.sequential, a.out, a.tokenizer, a.seed,
-        a.asvd_alpha), run=main)
+        a.asvd_alpha, a.overwrite), run=main)
 
 
 def main(job: DecomposeJob) -> int:

@@ -112,7 +112,8 @@ def smollm2_demo(cfg: DemoConfig) -> int:
         print("decomposing SmolLM2-135M (svd-llm, ratio 0.8, calibrated on conversations the model "
               "writes itself; done once, then cached)...")
         run_decompose(DecomposeJob(dense, "svd-llm", ratio=0.8, allocation="variadic",
-                                   calib_self=16, calib_seq_len=256, out=decomposed, seed=cfg.seed))
+                                   calib_self=16, calib_seq_len=256, out=decomposed, seed=cfg.seed,
+                                   overwrite=True))  # the project's own cache: an older run may be replaced
     common = dict(prompts=DEMO_PROMPTS, max_new_tokens=cfg.max_new_tokens, tp=cfg.tp, chat=True)
     print(f"generating at TP={cfg.tp}: DeInfer layout + latent KV cache, and the dense model...")
     ours = run_generate(GenerateJob(model=decomposed, layout="deinfer", kv_cache="latent", **common))

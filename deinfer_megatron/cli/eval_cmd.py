@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
+from deinfer_megatron.cli.output import emit_json
 from deinfer_megatron.evaluation.perplexity import PerplexityJob, evaluate
 from deinfer_megatron.specs.layout import Layout
 
@@ -20,8 +20,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--layout", choices=[m.value for m in Layout], default="deinfer")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="load a decomposed folder made elsewhere, without its manifest")
     p.set_defaults(make_config=lambda a: (PerplexityJob(
-        a.model, a.text, a.max_tokens, a.window, a.tp, a.pp, a.layout), a.json), run=main)
+        a.model, a.text, a.max_tokens, a.window, a.tp, a.pp, a.layout, verify=a.verify), a.json), run=main)
 
 
 def main(cfg: tuple[PerplexityJob, bool]) -> int:
@@ -30,7 +32,7 @@ def main(cfg: tuple[PerplexityJob, bool]) -> int:
     if result is None:  # a rank other than 0 inside a launcher: rank 0 reports
         return 0
     if as_json:
-        print(json.dumps(result))
+        emit_json(result)
     else:
         print(f"perplexity {result['ppl']:.4f} over {result['tokens']} tokens in {result['windows']} "
               f"windows ({job.layout}, TP={job.tp}, PP={job.pp})")

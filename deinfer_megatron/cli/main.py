@@ -1,37 +1,37 @@
 """The ``deinfer-megatron`` command: parse into a config dataclass, then call ``main(cfg)``.
 
 User errors (bad flags, bad files, impossible parallel sizes) end the command with one line on
-stderr and exit status 2; anything else is a bug and keeps its traceback.
+stderr and exit status 2; Ctrl-C (or SIGTERM) with one line and status 130 (143), after every
+rank is stopped; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
+import signal
 import sys
 import warnings
-from typing import Sequence
+from typing import Any, Sequence
 
-# Megatron-Core warns at import time about optional GPU packages (Apex, Transformer Engine);
-# on a CPU machine they are expected to be absent. Its logits gather still calls a torch
-# collective that torch 2.13 deprecates. Spawned ranks inherit PYTHONWARNINGS.
-_QUIET = ("ignore::UserWarning:megatron,"
-          "ignore:`torch.distributed.all_gather_into_tensor` is deprecated:FutureWarning")
-os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), _QUIET]))
-warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron(\.|$)")
+COMMANDS = ("fetch_cmd", "decompose_cmd", "plan_cmd", "eval_cmd", "generate_cmd", "demo_cmd", "bench_cmd")
 
-from deinfer_megatron.cli import (  # noqa: E402
-    bench_cmd,
-    decompose_cmd,
-    demo_cmd,
-    eval_cmd,
-    fetch_cmd,
-    generate_cmd,
-    plan_cmd,
-)
 
-COMMANDS = (fetch_cmd, decompose_cmd, plan_cmd, eval_cmd, generate_cmd, demo_cmd, bench_cmd)
+
+class Terminated(Exception):
+    """SIGTERM, turned into an exception so that the ranks are stopped on the way out."""
+
+
+def _quiet_known_warnings() -> None:
+    """Megatron-Core warns at import time about optional GPU packages (Apex, Transformer
+    Engine), expected to be absent on a CPU machine, and its logits gather still calls a torch
+    collective that torch 2.13 deprecates. Ranks this command spawns copy these filters
+    (``launch.local``); ranks a launcher starts run this command themselves."""
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron(\.|$)")
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in COMMANDS:
-        command.add_parser(sub)
+    for name in COMMANDS:
+        importlib.import_module(f"deinfer_megatron.cli.{name}").add_parser(sub)
     return parser
 
 
@@ -54,16 +54,33 @@ def setup_logging(verbose: bool) -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
 def run(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging(args.verbose)
+    command, args = "deinfer-megatron", None
     try:
-        return args.run(args.make_config(args))
-    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as err:
-        if args.verbose:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        _quiet_known_warnings()
+        from deinfer_megatron.cli.output import stdout_reserved_for_json
+
+        args = build_parser().parse_args(argv)
+        command = f"deinfer-megatron {args.command}"
+        setup_logging(args.verbose)
+        with stdout_reserved_for_json(getattr(args, "json", None) is True):
+            return args.run(args.make_config(args))
+    except KeyboardInterrupt:
+        print(f"{command}: interrupted", file=sys.stderr)
+        return 130
+    except Terminated:
+        print(f"{command}: terminated", file=sys.stderr)
+        return 143
+    except (ValueError, OSError, RuntimeError, TimeoutError) as err:
+        if args is not None and args.verbose:
             raise
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
-        print(f"deinfer-megatron {args.command}: error: {message}", file=sys.stderr)
+        print(f"{command}: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -17,6 +17,8 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
+from deinfer_megatron.files.text import read_text
+
 
 class StopForward(Exception):
     """Raised by a capture hook once the last needed input is seen: the rest of the layer
@@ -51,10 +53,8 @@ class InputStats:
 def text_windows(tokenizer: Any, path: str | Path, *, seq_len: int, max_tokens: int) -> torch.Tensor:
     """Non-overlapping ``[n, seq_len]`` token windows from a text file (at most ``max_tokens``)."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"calibration text {path} does not exist")
     # Reading a bounded prefix keeps tokenisation cheap on large files.
-    text = path.read_text(encoding="utf-8", errors="replace")[: max_tokens * 12]
+    text = read_text(path, "calibration text", max_chars=max_tokens * 12)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     n = min(len(ids), max_tokens) // seq_len
     if n == 0:

@@ -11,11 +11,13 @@ from typing import Any
 
 import torch
 
-from deinfer_megatron.checkpoints.folder import write_decomposed
+from deinfer_megatron.checkpoints.folder import RANK_CONFIG, is_project_folder, open_model, write_decomposed
 from deinfer_megatron.decompose.allocation import check_ratio
 from deinfer_megatron.decompose.calibration import self_dialogues, self_samples, text_windows
 from deinfer_megatron.decompose.run import Plan, decompose_model, decomposed_state
-from deinfer_megatron.models.arch import ModelArch, arch_from_hf_config
+from deinfer_megatron.files.staging import claim_output
+from deinfer_megatron.files.text import read_text
+from deinfer_megatron.models.arch import ModelArch, arch_from_hf_config, load_arch
 from deinfer_megatron.specs.rank_config import RankConfig
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ class DecomposeJob:
     tokenizer: Path | None = None
     seed: int = 0
     asvd_alpha: float = 1.0
+    overwrite: bool = False
 
 
 def parse_layers(spec: str, num_layers: int) -> frozenset[int]:
@@ -72,18 +75,32 @@ def _load_dense(job: DecomposeJob) -> tuple[Any, dict[str, Any], Path | None]:
         model.load_state_dict(state, strict=not config.get("tie_word_embeddings", False))
         if config.get("tie_word_embeddings"):
             model.tie_weights()
+        _check_finite(model, job.model)
         return model.float().eval(), config, job.tokenizer
     config_path = job.model / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(
             f"{job.model} is neither a Hugging Face model folder (config.json) nor a Megatron checkpoint"
         )
+    if (job.model / RANK_CONFIG).is_file():
+        raise ValueError(f"{job.model} is already decomposed; decompose the dense model it came from")
+    # Shapes (and a fetch-model folder's checksums) are checked before transformers reads the
+    # weights: it would silently re-initialise a tensor whose shape does not match config.json.
+    open_model(job.model)
     config = json.loads(config_path.read_text())
-    arch_from_hf_config(config)  # unsupported architectures fail here, with the supported list
+    transformers.utils.logging.disable_progress_bar()  # decompose draws its own progress
     model = transformers.AutoModelForCausalLM.from_pretrained(
         job.model, attn_implementation="sdpa", dtype=torch.float32
     )
+    _check_finite(model, job.model)
     return model.eval(), config, job.tokenizer or job.model
+
+
+def _check_finite(model: Any, source: Path) -> None:
+    for name, param in model.named_parameters():
+        if not torch.isfinite(param).all():
+            raise ValueError(f"{source}: tensor {name} holds NaN or infinite values; the checkpoint "
+                             "is corrupted — re-create or re-download it")
 
 
 def _calibration(job: DecomposeJob, model: Any, tokenizer_dir: Path | None, arch: ModelArch) -> tuple[torch.Tensor | None, dict]:
@@ -135,10 +152,24 @@ def _validate(job: DecomposeJob) -> None:
         raise ValueError(f"unknown --allocation {job.allocation!r}; choose uniform or variadic")
     if job.calib_text is not None and job.calib_self is not None:
         raise ValueError("give at most one of --calib-text and --calib-self")
+    if job.method != "svd" and job.calib_text is None and job.calib_self is None:
+        raise ValueError(f"{job.method} needs calibration data: pass --calib-text FILE or --calib-self N")
     if job.asvd_alpha <= 0:
         raise ValueError(f"--asvd-alpha must be > 0, got {job.asvd_alpha}")
     if job.calib_tokens < job.calib_seq_len:
         raise ValueError(f"--calib-tokens {job.calib_tokens} is less than one window of {job.calib_seq_len}")
+    if not job.model.exists():
+        raise FileNotFoundError(f"--model {job.model} does not exist")
+    if job.calib_text is not None:  # before the model is loaded: a binary file fails in a second
+        read_text(job.calib_text, "calibration text", max_chars=job.calib_tokens * 12)
+    if (job.model / "config.json").is_file():  # a Hugging Face folder: its sizes are known now
+        arch = load_arch(job.model)
+        if job.rank_config is not None:
+            RankConfig.load(job.rank_config, arch)
+        if job.layers is not None:
+            parse_layers(job.layers, arch.num_layers)
+    claim_output(job.out or default_out(job), overwrite=job.overwrite, is_ours=is_project_folder,
+                 inputs=(job.model,))
 
 
 def default_out(job: DecomposeJob) -> Path:
@@ -169,6 +200,8 @@ def run_decompose(job: DecomposeJob) -> Path:
         tensors=tensors,
         rank_config=rank_config,
         tokenizer_dir=tokenizer_dir,
+        overwrite=job.overwrite,
+        inputs=(job.model,),
         metadata={
             "method": job.method,
             "ratio": job.ratio,

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from deinfer_megatron.files.text import read_text
 from deinfer_megatron.launch.run import run_on_ranks
 
 
@@ -28,6 +29,7 @@ class PerplexityJob:
     pp: int = 1
     layout: str = "deinfer"
     batch: int = 4
+    verify: bool = True  # False: a decomposed folder without its manifest (--no-verify)
 
 
 def token_windows(model: Path, text: Path, max_tokens: int, window: int) -> torch.Tensor:
@@ -36,10 +38,8 @@ def token_windows(model: Path, text: Path, max_tokens: int, window: int) -> torc
 
     if window < 2:
         raise ValueError(f"--window must be at least 2 tokens, got {window}")
-    if not Path(text).is_file():
-        raise FileNotFoundError(f"text file {text} does not exist")
+    content = read_text(Path(text), "text file", max_chars=max_tokens * 16)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-    content = Path(text).read_text(encoding="utf-8", errors="replace")[: max_tokens * 16]
     ids = tokenizer(content, add_special_tokens=False)["input_ids"][:max_tokens]
     n = len(ids) // window
     if n == 0:
@@ -58,7 +58,7 @@ def _rank(job: PerplexityJob) -> dict:
     windows = token_windows(job.model, job.text, job.max_tokens, job.window)
     groups = init_parallel(job.tp, job.pp)
     try:
-        stage = load_folder(job.model, job.layout, groups)
+        stage = load_folder(job.model, job.layout, groups, verify=False)  # evaluate() verified it
         total = torch.zeros(2, dtype=torch.float64)  # summed NLL, predicted tokens
         for batch in windows.split(job.batch):
             pos = torch.arange(batch.shape[1]).expand_as(batch)
@@ -79,11 +79,18 @@ def _rank(job: PerplexityJob) -> dict:
 
 def evaluate(job: PerplexityJob) -> dict | None:
     """Perplexity of ``job.model`` on ``job.text``; None on ranks that do not report."""
-    from deinfer_megatron.models.arch import load_arch
-    from deinfer_megatron.models.build import check_parallel_sizes
+    from deinfer_megatron.checkpoints.folder import open_config, open_model
+    from deinfer_megatron.planning.preflight import check_fits
 
-    check_parallel_sizes(load_arch(job.model), job.tp, job.pp)
-    token_windows(job.model, job.text, job.max_tokens, job.window)  # fail fast, before ranks start
+    arch, ranks = open_config(job.model, verify=job.verify)  # fail fast, before ranks start
+    if job.window > arch.max_positions:
+        raise ValueError(f"--window {job.window} is longer than the model's context of "
+                         f"{arch.max_positions} tokens; use --window {arch.max_positions} or less")
+    if job.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be at least 1, got {job.max_tokens}")
+    check_fits(arch, ranks, job.layout, tp=job.tp, pp=job.pp, dtype_bytes=4)
+    open_model(job.model, verify=job.verify)
+    token_windows(job.model, job.text, job.max_tokens, job.window)
     result = run_on_ranks(job.tp * job.pp, _rank, job)
     if result is None:
         return None

@@ -10,6 +10,7 @@ carry. Global rank 0 streams a single prompt's text as it is generated and retur
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,7 @@ class GenerateJob:
     chat: bool = False
     stream: bool = False
     dtype: str = "float32"
+    verify: bool = True  # False: a decomposed folder without its manifest (--no-verify)
 
 
 def _tokenizer(model: Path) -> Any:
@@ -85,27 +87,32 @@ def eos_ids(model: Path, tokenizer: Any) -> frozenset[int]:
 
 
 def validate(job: GenerateJob, prompt_ids: list[list[int]]) -> None:
-    """Everything that can be checked before ranks start."""
-    from deinfer_megatron.checkpoints.folder import open_model
+    """Everything that can be checked before ranks start (the weights' manifest included)."""
+    from deinfer_megatron.checkpoints.folder import open_config, open_model
     from deinfer_megatron.generation.context import slot_length
-    from deinfer_megatron.models.build import check_parallel_sizes
+    from deinfer_megatron.planning.preflight import check_fits
 
     if job.engine not in ENGINES:
         raise ValueError(f"unknown --engine {job.engine!r}; choose one of {', '.join(ENGINES)}")
     if job.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {job.max_new_tokens}")
-    folder = open_model(job.model, verify=False)
-    check_parallel_sizes(folder.arch, job.tp, job.pp)
+    if job.kv_budget_gb is not None and not (math.isfinite(job.kv_budget_gb) and job.kv_budget_gb > 0):
+        raise ValueError(f"--kv-budget-gb must be a number of GB > 0, got {job.kv_budget_gb}")
+    arch, ranks = open_config(job.model, verify=job.verify)
     if job.kv_cache == "latent":
-        if not folder.decomposed:
+        if not ranks.modules:
             raise ValueError(
                 f"--kv-cache latent needs a decomposed model; {job.model} is dense "
                 "(decompose it with `deinfer-megatron decompose`, or use --kv-cache full)"
             )
         if job.layout != "deinfer":
             raise ValueError("--kv-cache latent needs --layout deinfer (whole latents on every rank)")
-    slot_length(max(map(len, prompt_ids)) + job.max_new_tokens, max_positions=folder.arch.max_positions,
-                bytes_per_token=0, slots=len(prompt_ids), budget_gb=None)
+    needed = max(map(len, prompt_ids)) + job.max_new_tokens
+    slot_length(needed, max_positions=arch.max_positions, bytes_per_token=0, slots=len(prompt_ids), budget_gb=None)
+    # Sizes before weights: a wrong config.json is refused before anything is read or allocated.
+    check_fits(arch, ranks, job.layout, tp=job.tp, pp=job.pp, dtype_bytes=2 if job.dtype == "bfloat16" else 4,
+               kv_tokens=len(prompt_ids) * needed, kv_cache=job.kv_cache)
+    open_model(job.model, verify=job.verify)  # manifest, shapes
 
 
 def _bytes_per_token(stage: Any, kv_cache: str) -> int:
@@ -150,7 +157,7 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
     tokenizer = _tokenizer(job.model)
     groups = init_parallel(job.tp, job.pp)
     try:
-        stage = load_folder(job.model, job.layout, groups, dtype=dtype)
+        stage = load_folder(job.model, job.layout, groups, dtype=dtype, verify=False)  # prepare() verified
         tokens = slot_length(
             max(map(len, prompt_ids)) + job.max_new_tokens, max_positions=stage.arch.max_positions,
             bytes_per_token=_bytes_per_token(stage, job.kv_cache), slots=len(prompt_ids),
@@ -204,9 +211,16 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
     }
 
 
+def prepare(job: GenerateJob) -> list[list[int]]:
+    """Check ``job`` and tokenise its prompts, before any rank starts; the prompts' token ids."""
+    from deinfer_megatron.models.arch import load_arch
+
+    load_arch(job.model)  # a missing folder or config.json is named before the tokenizer is read
+    prompt_ids = encode_prompts(job, _tokenizer(job.model))
+    validate(job, prompt_ids)
+    return prompt_ids
+
+
 def run_generate(job: GenerateJob) -> dict[str, Any] | None:
     """Generate for ``job``; the result on the reporting process, None on other ranks."""
-    tokenizer = _tokenizer(job.model)
-    prompt_ids = encode_prompts(job, tokenizer)
-    validate(job, prompt_ids)
-    return run_on_ranks(job.tp * job.pp, _rank, job, prompt_ids)
+    return run_on_ranks(job.tp * job.pp, _rank, job, prepare(job))

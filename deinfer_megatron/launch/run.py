@@ -14,18 +14,17 @@ import os
 from typing import Any, Callable, Iterator
 
 from deinfer_megatron.launch.env import detect
-from deinfer_megatron.launch.local import free_port, spawn_local
-
-_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+from deinfer_megatron.launch.lifetime import PARENT_PID_ENV, SCRATCH_ENV, die_with_parent, watch_process
+from deinfer_megatron.launch.local import free_port, local_rank_env, spawn_local
 
 
 @contextlib.contextmanager
 def _single_rank_env() -> Iterator[None]:
     """torch.distributed's variables for a one-rank group, restored afterwards (so that later
     calls in this process do not mistake themselves for a launched rank)."""
-    saved = {k: os.environ.get(k) for k in _DIST_VARS}
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
+    env = local_rank_env(0, 1, free_port())
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         yield
     finally:
@@ -45,6 +44,13 @@ def run_on_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float 
                 f"TP×PP = {world} but the {env.launcher} launcher started {env.world_size} ranks; "
                 f"start {world} ranks or change --tp/--pp"
             )
+        if os.environ.get(PARENT_PID_ENV, "").isdigit():
+            # Started by `--launcher`: the command behind the launcher is watched (it outlives
+            # the launcher), and the rank clears the job's scratch folder if that command was
+            # killed. A parent-death signal would kill the rank before it could.
+            watch_process(int(os.environ[PARENT_PID_ENV]), os.environ.get(SCRATCH_ENV))
+        else:
+            die_with_parent()  # the launcher's death ends this rank too
         env.export()
         result = fn(*args)
         return result if env.rank == 0 else None

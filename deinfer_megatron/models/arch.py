@@ -97,8 +97,23 @@ def _rope_theta(cfg: Mapping[str, Any]) -> float:
     return float(_get(cfg, "rope_theta", default=params.get("rope_theta", 10000.0)))
 
 
+def _check_sizes(arch: "ModelArch") -> "ModelArch":
+    for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                  "vocab_size", "max_positions"):
+        value = getattr(arch, field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{field} must be a positive integer, got {value!r}")
+    if arch.num_heads % arch.num_kv_heads:
+        raise ValueError(f"{arch.num_heads} attention heads cannot share {arch.num_kv_heads} KV heads evenly")
+    return arch
+
+
 def arch_from_hf_config(cfg: Mapping[str, Any]) -> ModelArch:
     """Read a Hugging Face ``config.json`` mapping; unsupported architectures are a clear error."""
+    return _check_sizes(_arch_from_hf_config(cfg))
+
+
+def _arch_from_hf_config(cfg: Mapping[str, Any]) -> ModelArch:
     family = cfg.get("model_type")
     if family not in SUPPORTED:
         raise ValueError(
@@ -153,14 +168,26 @@ def arch_from_hf_config(cfg: Mapping[str, Any]) -> ModelArch:
 
 
 def load_arch(model_dir: str | Path) -> ModelArch:
-    """Read ``config.json`` from a model folder."""
+    """Read ``config.json`` from a model folder; every problem with it is one error naming it."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
+        missing = "" if Path(model_dir).is_dir() else " (the folder does not exist)"
         raise FileNotFoundError(
-            f"no config.json in {model_dir}: pass a Hugging Face model folder "
+            f"no config.json in {model_dir}{missing}: pass a Hugging Face model folder "
             "(or a folder written by `deinfer-megatron decompose`)"
         )
-    return arch_from_hf_config(json.loads(path.read_text()))
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} must hold a JSON object (a Hugging Face model config)")
+    try:
+        return arch_from_hf_config(cfg)
+    except KeyError as err:
+        raise ValueError(f"{path} lacks {err.args[0]!r}, which a {cfg.get('model_type')} config needs") from None
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
 
 
 def transformer_config(

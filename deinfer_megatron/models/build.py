@@ -40,6 +40,8 @@ class Stage:
 def check_parallel_sizes(arch: ModelArch, tp: int, pp: int) -> None:
     """Reject TP/PP sizes the model cannot be split into, naming the valid ones."""
     valid = valid_tp_sizes(arch.num_heads, arch.num_kv_heads)
+    if tp < 1 or pp < 1:
+        raise ValueError(f"--tp and --pp must be positive integers, got --tp {tp} --pp {pp}")
     if tp not in valid:
         raise ValueError(
             f"--tp {tp} does not split {arch.num_heads} heads / {arch.num_kv_heads} KV heads evenly; "
@@ -47,6 +49,10 @@ def check_parallel_sizes(arch: ModelArch, tp: int, pp: int) -> None:
         )
     if not 1 <= pp <= arch.num_layers:
         raise ValueError(f"--pp {pp} must be between 1 and the number of layers ({arch.num_layers})")
+    if arch.num_layers % pp:
+        valid = [p for p in range(1, arch.num_layers + 1) if arch.num_layers % p == 0]
+        raise ValueError(f"{arch.num_layers} layers do not split evenly over --pp {pp} (Megatron's stages "
+                         f"hold equal numbers of layers); valid PP sizes: {', '.join(map(str, valid))}")
 
 
 def padded_vocab_size(vocab: int, tp: int) -> int:
@@ -104,11 +110,15 @@ def build_stage(
 
 
 def load_folder(path: str | Path, layout: Layout | str, groups: ParallelGroups, *,
-                dtype: torch.dtype = torch.float32) -> Stage:
-    """Open a model folder (dense or decomposed; manifest verified) and load this rank's stage."""
+                dtype: torch.dtype = torch.float32, verify: bool = True) -> Stage:
+    """Open a model folder (dense or decomposed) and load this rank's stage.
+
+    ``verify=False`` when the command verified the manifest already, before the ranks started;
+    shapes and non-finite values are checked either way.
+    """
     from deinfer_megatron.checkpoints.folder import open_model
 
-    folder = open_model(path)
+    folder = open_model(path, verify=verify)
     stage = build_stage(folder.arch, folder.rank_config, layout, groups, dtype=dtype)
     load_weights(stage, folder.source, folder.rank_config)
     return stage

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import patches
+from deinfer_megatron.parallel.rendezvous import local_store
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,10 @@ def init_parallel(tp: int, pp: int, *, timeout_s: float = 300.0) -> ParallelGrou
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=default_backend(),
-            rank=int(os.environ.get("RANK", "0")),
-            world_size=int(os.environ.get("WORLD_SIZE", "1")),
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend=default_backend(), rank=rank, world_size=world,
+                                timeout=timeout, store=local_store(rank, world, timeout))
     world = dist.get_world_size()
     if tp * pp != world:
         raise RuntimeError(

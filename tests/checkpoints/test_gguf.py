@@ -279,14 +279,29 @@ def test_fetch_model_second_call_does_not_reconvert(converted, cache_root, monke
     assert (converted / "model.safetensors").stat().st_mtime_ns == before
 
 
-def test_fetch_model_reconverts_incomplete_folder(tmp_path, monkeypatch):
-    half = tmp_path / "half"
-    half.mkdir()
-    (half / "model.safetensors").write_bytes(b"truncated")
+def test_fetch_model_reconverts_only_its_own_folders(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(embedded, "convert_gguf_to_hf", lambda src, out: calls.append((src, out)))
-    embedded.fetch_model(MODEL, out=half)
-    assert calls == [(embedded.gguf_path(MODEL), half)]
+    stale = tmp_path / "stale"  # an earlier conversion by this project (older converter)
+    stale.mkdir()
+    (stale / conv.MANIFEST_NAME).write_text(json.dumps({"converter": conv.__name__, "converter_version": 0}))
+    with pytest.raises(ValueError, match="exists and is not empty.*--overwrite"):
+        embedded.fetch_model(MODEL, out=stale)
+    embedded.fetch_model(MODEL, out=stale, overwrite=True)
+    assert calls == [(embedded.gguf_path(MODEL), stale)]
+
+    foreign = tmp_path / "foreign"  # a user's folder: never replaced, even with --overwrite
+    foreign.mkdir()
+    (foreign / "model.safetensors").write_bytes(b"truncated")
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match="foreign"):
+            embedded.fetch_model(MODEL, out=foreign, overwrite=overwrite)
+    assert (foreign / "model.safetensors").read_bytes() == b"truncated" and len(calls) == 1
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    embedded.fetch_model(MODEL, out=empty)
+    assert calls[-1] == (embedded.gguf_path(MODEL), empty)
 
 
 def test_cache_dir_resolution(monkeypatch, tmp_path):
@@ -315,22 +330,22 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path, gguf_file, monkeypatc
 
 
 def test_failed_replacement_keeps_previous_folder(tmp_path, gguf_file, monkeypatch):
+    from deinfer_megatron.files import staging
+
     previous = tmp_path / "model"
     previous.mkdir()
     (previous / "keep.txt").write_text("old")
-    real_read, real_rename = conv.read_hf_state_dict, os.rename
+    real_read = conv.read_hf_state_dict
 
     def small_read(path):  # real metadata, only a few real tensors: keeps this test fast
         meta, state = real_read(path)
         return meta, {k: v for k, v in state.items() if "layers." not in k}
 
-    def rename(src, dst):  # the old folder is moved aside, then installing the new one fails
-        if Path(src).name.startswith(".model.tmp-"):
-            raise OSError("rename failed")
-        real_rename(src, dst)
+    def exchange(a, b):  # installing the new folder over the old one fails
+        raise OSError("rename failed")
 
     monkeypatch.setattr(conv, "read_hf_state_dict", small_read)
-    monkeypatch.setattr(conv.os, "rename", rename)
+    monkeypatch.setattr(staging, "_exchange", exchange)
     with pytest.raises(OSError, match="rename failed"):
         conv.convert_gguf_to_hf(gguf_file, previous)
     assert [p.name for p in tmp_path.iterdir()] == ["model"] and (previous / "keep.txt").read_text() == "old"

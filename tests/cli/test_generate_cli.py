@@ -1,14 +1,13 @@
 """``deinfer-megatron generate`` as users run it: JSON and streamed output, the torchrun and
-DeepSpeed launchers, one-line errors for bad input, and a dying rank ending the job."""
+DeepSpeed launchers, one-line errors for bad input. (Dying ranks, killed commands and Ctrl-C
+are in tests/robustness.)"""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -76,9 +75,8 @@ def test_launchers_give_the_same_tokens(models, launcher: str) -> None:
     extra = ["--engine", "deepspeed"] if launcher == "deepspeed" else []
     proc = cli(*generate_args(models["dec"], "--tp", "2", "--launcher", launcher, *extra))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    docs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(docs) == 1, "only global rank 0 reports"
-    assert [o["token_ids"] for o in docs[0]["outputs"]] == models["expected"]
+    doc = json.loads(proc.stdout)  # stdout is the one JSON document, the launcher's logs go to stderr
+    assert [o["token_ids"] for o in doc["outputs"]] == models["expected"]
 
 
 def test_bad_inputs_are_one_line_errors(models, tmp_path: Path) -> None:
@@ -96,40 +94,3 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path: Path) -> None:
         proc = cli(*args, env=env, timeout=120)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], (args[-2:], proc.stderr[-2000:])
-
-
-def _rank_pids(parent: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
-    pids = []
-    for pid in map(int, out):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
-            pids.append(pid)
-    return pids
-
-
-def test_a_dying_rank_ends_the_job(models) -> None:
-    proc = subprocess.Popen(
-        [*CLI, "generate", "--model", str(models["dec"]), "--tp", "2", "--own-loop",
-         "--max-new-tokens", "3000", "--prompt", "Once upon a time"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        deadline = time.monotonic() + 120
-        while len(_rank_pids(proc.pid)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert proc.poll() is None, "generation should still be running"
-        time.sleep(8)  # let the ranks load and start generating
-        ranks = _rank_pids(proc.pid)
-        assert len(ranks) == 2, ranks
-        killed_at = time.monotonic()
-        os.kill(ranks[1], signal.SIGKILL)
-        _, err = proc.communicate(timeout=60)
-        assert time.monotonic() - killed_at < 60
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0
-    assert "rank" in err.strip().splitlines()[-1] and "died" in err.strip().splitlines()[-1], err[-2000:]

@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
+from deinfer_megatron.checkpoints.folder import FORMAT, MANIFEST
 from deinfer_megatron.cli.main import run
+from deinfer_megatron.files.checksums import sha256
 from tests.helpers.tiny_models import TINY_CONFIGS
 
 
@@ -17,6 +19,8 @@ def model_dir(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIGS["llama"]))
     ranks = {f"model.layers.0.self_attn.{p}": 8 for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
     (tmp_path / "rank_config.json").write_text(json.dumps(ranks))
+    files = {name: sha256(tmp_path / name) for name in ("config.json", "rank_config.json")}
+    (tmp_path / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": files}))
     return tmp_path
 
 

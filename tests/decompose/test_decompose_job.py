@@ -115,8 +115,8 @@ def test_text_shorter_than_a_window(tmp_path: Path) -> None:
     save_tiny_folder("llama", tmp_path / "dense")
     short = tmp_path / "short.txt"
     short.write_text("Only a few words.")
-    with pytest.raises(ValueError, match="fewer than one window of 512"):
-        evaluate(PerplexityJob(tmp_path / "dense", short))
+    with pytest.raises(ValueError, match="fewer than one window of 64"):
+        evaluate(PerplexityJob(tmp_path / "dense", short, window=64))  # the context is 128
 
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat-template", "bos-only"])
