@@ -19,7 +19,7 @@ def smollm2() -> Path:
 def smollm2_full_rank(smollm2: Path, tmp_path_factory) -> Path:
     """SmolLM2 decomposed at rank min(out, in) everywhere (plain SVD: exact, no calibration)."""
     from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
-    from deinfer_megatron.models.arch import load_arch
+    from deinfer_megatron.arch.model import load_arch
 
     arch = load_arch(smollm2)
     root = tmp_path_factory.mktemp("smollm2-full")

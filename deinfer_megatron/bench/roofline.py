@@ -66,8 +66,6 @@ def gemm_gflops(m: int, k: int, n: int, iters: int) -> float:
 
 def _collective_s(kind: str, elements: int, tp: Any, iters: int) -> float:
     """Seconds per collective through the project's own named operations (``parallel.comm``)."""
-    import torch.distributed as dist
-
     from deinfer_megatron.parallel import comm
 
     if kind == "all_reduce":
@@ -80,7 +78,7 @@ def _collective_s(kind: str, elements: int, tp: Any, iters: int) -> float:
         op()
     best = math.inf
     for _ in range(3):
-        dist.barrier(group=tp.group)
+        comm.barrier(tp)
         t0 = time.perf_counter()
         for _ in range(iters):
             op()
@@ -104,7 +102,7 @@ def machine_worker(sizes: RooflineSizes) -> dict[str, Any] | None:
             out["gemm"] = [{"m": m, "k": k, "n": n, "gflops": gemm_gflops(m, k, n, sizes.iters)}
                            for m, k, n in sizes.gemm_shapes]
         tp = TPView.of(groups.pg_collection.tp)
-        dist.barrier(group=tp.group)
+        comm.barrier(tp)
         out["comm_latency_s"] = {kind: {str(n): _collective_s(kind, n, tp, sizes.iters) for n in sizes.comm_sizes}
                                  for kind in ("all_reduce", "all_gather")}
         out["comm_ranks"] = 2

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from deinfer_megatron.models.arch import ModelArch
+from deinfer_megatron.arch.model import ModelArch
 from deinfer_megatron.specs.rank_config import RankConfig
 
 
@@ -76,7 +76,7 @@ def synthetic_source(name: str, ratio: float, seed: int, workdir: Path) -> Model
     """Draw the synthetic model ``name`` (every layer decomposed at ``ratio``) into ``workdir``."""
     from deinfer_megatron.checkpoints.folder import write_decomposed
     from deinfer_megatron.decompose.allocation import uniform_ranks
-    from deinfer_megatron.models.arch import arch_from_hf_config
+    from deinfer_megatron.arch.model import arch_from_hf_config
     from deinfer_megatron.models.synthetic import random_state, synthetic_config
 
     config = synthetic_config(name)

@@ -40,7 +40,7 @@ from deinfer_megatron.checkpoints.hf_names import expected_shapes
 from deinfer_megatron.files import failpoints
 from deinfer_megatron.files.checksums import sha256
 from deinfer_megatron.files.staging import claim_output, is_temporary, staged_folder
-from deinfer_megatron.models.arch import ModelArch, load_arch
+from deinfer_megatron.arch.model import ModelArch, load_arch
 from deinfer_megatron.specs.rank_config import RankConfig
 
 MANIFEST = "deinfer_manifest.json"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from deinfer_megatron.models.arch import ModelArch
+from deinfer_megatron.arch.model import ModelArch
 from deinfer_megatron.specs.rank_config import RankConfig
 
 # Global (not per-layer) parameters: Hugging Face name → ours.

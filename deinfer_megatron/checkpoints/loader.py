@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, VocabPara
 from deinfer_megatron.checkpoints.hf_names import NameMap, embedding_name
 from deinfer_megatron.layers.dense import CountedRowParallelLinear
 from deinfer_megatron.layers.factors import read_block
-from deinfer_megatron.models.arch import ModelArch
+from deinfer_megatron.arch.model import ModelArch
 from deinfer_megatron.parallel.topology import Span, TPView, balanced_split
 from deinfer_megatron.specs.rank_config import RankConfig
 

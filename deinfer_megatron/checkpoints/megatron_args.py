@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from deinfer_megatron.models.arch import ModelArch
+from deinfer_megatron.arch.model import ModelArch
 
 SUPPORTED = (
     "supported: LLaMA/Qwen2-style GPT models (RMSNorm, SwiGLU, RoPE over the whole head, "

@@ -35,7 +35,7 @@ from deinfer_megatron.checkpoints.megatron_args import (
     load_pickle,
     pickle_allowlist,
 )
-from deinfer_megatron.models.arch import ModelArch, transformer_config
+from deinfer_megatron.arch.model import ModelArch, transformer_config
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
@@ -254,7 +254,7 @@ def _load_dist(folder: Path, arch: ModelArch) -> tuple[ModelArch, dict[str, torc
         from deinfer_megatron.launch.local import spawn_local
 
         return spawn_local(1, _load_dist, folder, arch)[0]
-    import patches
+    from deinfer_megatron import patches
 
     patches.apply_all()
     from megatron.core import parallel_state

@@ -61,7 +61,7 @@ def _setup(seed: int) -> tuple[Any, Any, dict, torch.Tensor]:
 def _rank(tp: int, seed: int) -> dict[str, Any]:
     from deinfer_megatron.models.build import build_stage, load_weights
     from deinfer_megatron.parallel import comm
-    from deinfer_megatron.parallel.pipeline import stage_forward
+    from deinfer_megatron.models.pipeline import stage_forward
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
     from deinfer_megatron.specs.layout import Layout
 

@@ -22,7 +22,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from deinfer_megatron.models.arch import ModelArch
+from deinfer_megatron.arch.model import ModelArch
 
 VARIADIC_FLOOR = 0.25  # no matrix gets less than this fraction of its uniform rank
 

@@ -17,7 +17,7 @@ from deinfer_megatron.decompose.calibration import self_dialogues, self_samples,
 from deinfer_megatron.decompose.run import Plan, decompose_model, decomposed_state
 from deinfer_megatron.files.staging import claim_output
 from deinfer_megatron.files.text import read_text
-from deinfer_megatron.models.arch import ModelArch, arch_from_hf_config, load_arch
+from deinfer_megatron.arch.model import ModelArch, arch_from_hf_config, load_arch
 from deinfer_megatron.specs.rank_config import RankConfig
 
 log = logging.getLogger(__name__)

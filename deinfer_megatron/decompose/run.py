@@ -24,7 +24,7 @@ from tqdm import tqdm
 from deinfer_megatron.decompose.allocation import uniform_rank, variadic_ranks
 from deinfer_megatron.decompose.calibration import InputStats, LayerRunner, capture, collect
 from deinfer_megatron.decompose.factorize import ASVD_ALPHA, prepare
-from deinfer_megatron.models.arch import ModelArch
+from deinfer_megatron.arch.model import ModelArch
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ def token_windows(model: Path, text: Path, max_tokens: int, window: int) -> torc
 
 def _rank(job: PerplexityJob) -> dict:
     from deinfer_megatron.models.build import load_folder
-    from deinfer_megatron.parallel.pipeline import broadcast_from_last_stage, stage_forward
+    from deinfer_megatron.models.pipeline import broadcast_from_last_stage, stage_forward
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
 
     windows = token_windows(job.model, job.text, job.max_tokens, job.window)

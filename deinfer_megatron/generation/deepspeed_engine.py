@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-import patches
+from deinfer_megatron import patches
 from deinfer_megatron.parallel.runtime import ParallelGroups
 
 

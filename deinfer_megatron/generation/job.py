@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from deinfer_megatron.generation.sampling import SamplingParams
+from deinfer_megatron.parallel import comm
 from deinfer_megatron.launch.run import run_on_ranks
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
 
             stage.runner = wrap_with_deepspeed(stage.model, groups, dtype)
         eos = eos_ids(job.model, tokenizer)
-        reporter = dist.get_rank() == 0
+        reporter = groups.global_rank == 0
         kwargs = dict(max_new_tokens=job.max_new_tokens, params=job.sampling, context=context,
                       eos_ids=eos, stop=_stop_check(tokenizer, job.stop),
                       on_token=_streamer(tokenizer) if job.stream and reporter else None)
@@ -186,7 +186,7 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
             sys.stdout.write("\n")
         cache = describe(context)
         peak = torch.tensor([cache["kv_cache_bytes"]], dtype=torch.float64)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        comm.max_over_world(peak)
     finally:
         shutdown()
     if not reporter:
@@ -213,7 +213,7 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
 
 def prepare(job: GenerateJob) -> list[list[int]]:
     """Check ``job`` and tokenise its prompts, before any rank starts; the prompts' token ids."""
-    from deinfer_megatron.models.arch import load_arch
+    from deinfer_megatron.arch.model import load_arch
 
     load_arch(job.model)  # a missing folder or config.json is named before the tokenizer is read
     prompt_ids = encode_prompts(job, _tokenizer(job.model))

@@ -18,7 +18,7 @@ import torch
 from deinfer_megatron.generation.context import GenerationContext
 from deinfer_megatron.generation.sampling import SamplingParams, sample
 from deinfer_megatron.models.build import Stage
-from deinfer_megatron.parallel.pipeline import broadcast_from_last_stage, stage_forward
+from deinfer_megatron.models.pipeline import broadcast_from_last_stage, stage_forward
 
 StopCheck = Callable[[int, list[int]], bool]  # (row, generated ids) → stop now?
 OnToken = Callable[[int, int], None]  # (row, token id) as it is generated

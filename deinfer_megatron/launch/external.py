@@ -41,11 +41,16 @@ def _command(launcher: str, world: int, argv: list[str], port: int, scratch: str
                 "--max-restarts=0", f"--master-addr={LOOPBACK}", f"--master-port={port}",
                 f"--log-dir={scratch}", "-m", "deinfer_megatron.cli.main", *argv]
     if launcher == "deepspeed":
-        exe = shutil.which("deepspeed") or str(Path(sys.executable).with_name("deepspeed"))
-        cli = shutil.which("deinfer-megatron") or str(Path(sys.executable).with_name("deinfer-megatron"))
+        exe, cli = (_beside_python(name) for name in ("deepspeed", "deinfer-megatron"))
         return [exe, f"--num_gpus={world}", "--no_local_rank", f"--master_addr={LOOPBACK}",
                 f"--master_port={port}", cli, *argv]
     raise ValueError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
+
+
+def _beside_python(name: str) -> str:
+    """The script ``name`` of this interpreter's environment (else the first on PATH)."""
+    own = Path(sys.executable).with_name(name)
+    return str(own) if own.is_file() else (shutil.which(name) or name)
 
 
 def _forward(src: IO[bytes], dst: IO[str], muted: threading.Event) -> None:

@@ -27,6 +27,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from deinfer_megatron.arch.ranks import AttentionRanks
 from deinfer_megatron.layers.kv_cache import FullKVCache, LatentKVCache, cache_mode
 
 
@@ -46,16 +47,6 @@ class FactoredAttentionSubmodules:
     linear_v_up: Union[ModuleSpec, type, None] = None
     core_attention: Union[ModuleSpec, type, None] = None
     linear_proj: Union[ModuleSpec, type, None] = None
-
-
-@dataclass(frozen=True)
-class AttentionRanks:
-    """Ranks of the four decomposed attention matrices of one layer."""
-
-    q: int
-    k: int
-    v: int
-    o: int
 
 
 class FactoredSelfAttention(MegatronModule):

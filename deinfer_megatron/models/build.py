@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 
 from deinfer_megatron.checkpoints.loader import MultipliedOut, load_stage
-from deinfer_megatron.models.arch import ModelArch, transformer_config
+from deinfer_megatron.arch.model import ModelArch, transformer_config
 from deinfer_megatron.parallel.runtime import ParallelGroups
 from deinfer_megatron.parallel.topology import valid_tp_sizes
 from deinfer_megatron.specs.builder import decomposed_block_spec

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-from deinfer_megatron.models.arch import ModelArch, arch_from_hf_config
+from deinfer_megatron.arch.model import ModelArch, arch_from_hf_config
 
 _LLAMA = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0,
               tie_word_embeddings=False, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)

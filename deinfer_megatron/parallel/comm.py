@@ -120,3 +120,41 @@ def all_reduce_sum(x: torch.Tensor, tp: TPView, *, site: str, layer: int) -> tor
     dist.all_reduce(x, group=group)
     _record("all_reduce", site, layer, x.shape[-1], x)
     return x
+
+
+# ------------------------------------------------------------------ between pipeline stages
+# Point-to-point transfers of whole activations and a broadcast of sampled tokens: they move
+# between stages, not within a tensor-parallel group, and are not what the planner counts, so
+# they are not recorded in the ledger.
+
+
+def send_to(x: torch.Tensor, dst: int) -> None:
+    """Send ``x`` to global rank ``dst`` (the next pipeline stage)."""
+    dist.send(x.contiguous(), dst=dst)
+
+
+def recv_from(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int) -> torch.Tensor:
+    """Receive a tensor of ``shape`` from global rank ``src`` (the previous pipeline stage)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(out, src=src)
+    return out
+
+
+def broadcast_from(x: torch.Tensor, src: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank of ``group`` gets global rank ``src``'s ``x`` (same shape and dtype)."""
+    x = x.contiguous()
+    dist.broadcast(x, src=src, group=group)
+    return x
+
+
+def max_over_world(x: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum of ``x`` over every rank of the job (bookkeeping, e.g. the largest
+    KV cache any rank holds); not a model collective, not recorded."""
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
+def barrier(tp: TPView) -> None:
+    """Wait until every rank of the tensor-parallel group arrives (timing, not model maths)."""
+    if tp.size > 1:
+        dist.barrier(group=_require_group(tp, "barrier", "barrier"))

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import patches
+from deinfer_megatron import patches
 from deinfer_megatron.parallel.rendezvous import local_store
 
 
@@ -27,6 +27,10 @@ class ParallelGroups:
     pp_rank: int
     pp_size: int
     pg_collection: Any  # megatron.core.process_groups_config.ProcessGroupCollection
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank()
 
     @property
     def is_first_stage(self) -> bool:

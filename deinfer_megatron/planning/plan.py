@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from deinfer_megatron.models.arch import ModelArch
+from deinfer_megatron.arch.model import ModelArch
 from deinfer_megatron.parallel.topology import TPView, balanced_split, padded_chunk, unit_split
 from deinfer_megatron.specs.builder import require_dense_attention_fits
 from deinfer_megatron.specs.layout import Layout

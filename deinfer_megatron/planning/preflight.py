@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from deinfer_megatron.models.arch import ModelArch
+from deinfer_megatron.arch.model import ModelArch
 from deinfer_megatron.planning.plan import make_plan
 from deinfer_megatron.specs.rank_config import RankConfig
 

@@ -16,26 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from deinfer_megatron.layers.attention import AttentionRanks
-from deinfer_megatron.models.arch import ModelArch
-
-
-@dataclass(frozen=True)
-class MlpRanks:
-    """Ranks of one MLP: ``up_sections`` are the fc1 sections (gate, up) or (fc1,)."""
-
-    up_sections: tuple[int, ...]
-    down: int
-
-
-@dataclass(frozen=True)
-class LayerRanks:
-    attention: AttentionRanks | None
-    mlp: MlpRanks | None
-
-    @property
-    def decomposed(self) -> bool:
-        return self.attention is not None or self.mlp is not None
+from deinfer_megatron.arch.model import ModelArch
+from deinfer_megatron.arch.ranks import AttentionRanks, LayerRanks, MlpRanks
 
 
 @dataclass(frozen=True)

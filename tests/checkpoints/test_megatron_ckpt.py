@@ -122,7 +122,7 @@ def _save_dist(folder: Path, args: Namespace, sharded: dict, te: bool, first: bo
 def write_checkpoints(layouts: list[tuple[int, int]], root: str) -> dict[str, bool]:
     """Rank body: build each family at each layout and write it in both formats. At TP=1 also
     a bfloat16 model, and a dist checkpoint read while torch.distributed is initialised."""
-    from deinfer_megatron.models.arch import arch_from_hf_config
+    from deinfer_megatron.arch.model import arch_from_hf_config
     from deinfer_megatron.models.build import build_stage, load_weights
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
     from deinfer_megatron.specs.rank_config import RankConfig
@@ -193,7 +193,7 @@ def _check_loads_in_transformers(config: dict, sd: dict, reference: Any, folder:
     import transformers
     from safetensors.torch import save_file
 
-    from deinfer_megatron.models.arch import arch_from_hf_config
+    from deinfer_megatron.arch.model import arch_from_hf_config
 
     arch_from_hf_config(config)  # the project reads it too
     folder.mkdir()
@@ -369,7 +369,7 @@ def test_a_megatron_checkpoint_goes_straight_to_a_served_decomposed_model(checkp
     from transformers import PreTrainedTokenizerFast
 
     from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
-    from deinfer_megatron.models.arch import arch_from_hf_config
+    from deinfer_megatron.arch.model import arch_from_hf_config
     from tests.helpers.stage import stage_logits
 
     reference = references["llama"]

@@ -13,10 +13,10 @@ DECOMPOSED_LAYERS = [0, 2, 3]  # layer 1 stays dense: mixed models are the norma
 
 
 def parity_worker(tp: int, pp: int, families: list[str], layouts: list[str]) -> dict[str, Any]:
-    from deinfer_megatron.models.arch import arch_from_hf_config
+    from deinfer_megatron.arch.model import arch_from_hf_config
     from deinfer_megatron.models.build import build_stage, load_weights
     from deinfer_megatron.parallel import comm
-    from deinfer_megatron.parallel.pipeline import stage_forward
+    from deinfer_megatron.models.pipeline import stage_forward
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
     from deinfer_megatron.specs.rank_config import RankConfig
 

@@ -11,7 +11,7 @@ from deinfer_megatron.launch.run import run_on_ranks
 
 def _logits(model: Path, ids: torch.Tensor, layout: str) -> torch.Tensor:
     from deinfer_megatron.models.build import load_folder
-    from deinfer_megatron.parallel.pipeline import stage_forward
+    from deinfer_megatron.models.pipeline import stage_forward
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
 
     groups = init_parallel(1, 1)

@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 
-from deinfer_megatron.models.arch import arch_from_hf_config
+from deinfer_megatron.arch.model import arch_from_hf_config
 from deinfer_megatron.planning.plan import make_plan
 from deinfer_megatron.specs.rank_config import RankConfig
 from tests.helpers.distributed import run_ranks

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deinfer_megatron.decompose.allocation import uniform_ranks
-from deinfer_megatron.models.arch import arch_from_hf_config
+from deinfer_megatron.arch.model import arch_from_hf_config
 from deinfer_megatron.planning.plan import make_plan
 from deinfer_megatron.specs.rank_config import RankConfig
 

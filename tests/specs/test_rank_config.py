@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from deinfer_megatron.models.arch import arch_from_hf_config
+from deinfer_megatron.arch.model import arch_from_hf_config
 from deinfer_megatron.specs.rank_config import MlpRanks, RankConfig
 from tests.helpers.tiny_models import TINY_CONFIGS
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from deinfer_megatron.models.build import Stage
+from deinfer_megatron.parallel import comm
 
 
 def stage_forward(
@@ -32,8 +32,8 @@ def stage_forward(
     model = stage.runner if stage.runner is not None else stage.model
     if not groups.is_first_stage:
         b, s = input_ids.shape
-        hidden = torch.empty(s, b, stage.arch.hidden_size, dtype=stage.model.config.params_dtype)
-        dist.recv(hidden, src=groups.prev_rank)
+        hidden = comm.recv_from((s, b, stage.arch.hidden_size), stage.model.config.params_dtype,
+                                input_ids.device, groups.prev_rank)
         stage.model.set_input_tensor(hidden)
     with torch.inference_mode():
         out = model(
@@ -44,7 +44,7 @@ def stage_forward(
             runtime_gather_output=True,  # Megatron's inference path needs the full vocabulary
         )
     if not groups.is_last_stage:
-        dist.send(out.contiguous(), dst=groups.next_rank)
+        comm.send_to(out, groups.next_rank)
         return None
     return out[..., : stage.arch.vocab_size]
 
@@ -55,6 +55,5 @@ def broadcast_from_last_stage(stage: Stage, tensor: torch.Tensor | None, like: t
     if groups.pp_size == 1:
         assert tensor is not None, "a single stage is the last stage"
         return tensor
-    buf = tensor.contiguous() if groups.is_last_stage else torch.empty_like(like)
-    dist.broadcast(buf, src=groups.last_stage_rank, group=groups.pg_collection.pp)
-    return buf
+    buf = tensor if groups.is_last_stage else torch.empty_like(like)
+    return comm.broadcast_from(buf, groups.last_stage_rank, groups.pg_collection.pp)

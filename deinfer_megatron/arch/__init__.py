@@ -1,0 +1,3 @@
+"""What a model is, independent of how it is run: its architecture (``model``) and the ranks of
+its decomposed blocks (``ranks``). The lowest model-level package: it imports no other part of
+the project but ``files``."""
