@@ -9,15 +9,34 @@ alike. Buffers are allocated once, for ``max_sequence_length × max_batch_size``
 * ``LatentKVCache``: the rank-r latents ``c_k = V_k x`` and ``c_v = V_v x`` (before RoPE);
   width r_k + r_v per token, whatever the number of heads. K and V are rebuilt from them.
 
-Which one a context wants is ``inference_context.kv_cache`` ("full" unless set), and
-``inference_context.absorb_values`` chooses value absorption for single-token decode steps.
+Which one a context wants is ``inference_context.kv_cache`` (a ``CacheKind``; full unless
+set), and ``inference_context.absorb_values`` chooses value absorption for single-token decode
+steps.
 """
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any
 
 import torch
+
+
+class CacheKind(str, Enum):
+    """What a layer keeps per token: its heads' K and V, or the rank-r latents."""
+
+    FULL = "full"
+    LATENT = "latent"
+
+    @classmethod
+    def parse(cls, value: "str | CacheKind") -> "CacheKind":
+        """The kind named ``value``; the one place an unknown name is refused."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"unknown KV cache kind {value!r}; choose one of {', '.join(m.value for m in cls)}"
+            ) from None
 
 
 class _Cache:
@@ -65,9 +84,6 @@ class LatentKVCache(_Cache):
         super().__init__(context, ((rank_k,), (rank_v,)), dtype)
 
 
-def cache_mode(context: Any) -> tuple[str, bool]:
+def cache_mode(context: Any) -> tuple[CacheKind, bool]:
     """``(kind, absorb_values)`` requested by an inference context."""
-    kind = getattr(context, "kv_cache", "full")
-    if kind not in ("full", "latent"):
-        raise ValueError(f"unknown KV cache kind {kind!r}; choose full or latent")
-    return kind, bool(getattr(context, "absorb_values", True))
+    return CacheKind.parse(getattr(context, "kv_cache", CacheKind.FULL)), bool(getattr(context, "absorb_values", True))

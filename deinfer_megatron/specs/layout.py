@@ -32,6 +32,17 @@ class Layout(str, Enum):
                 f"unknown layout {value!r}; choose one of {', '.join(m.value for m in cls)}"
             ) from None
 
+    @property
+    def factor_classes(self) -> "FactorClasses | None":
+        return FACTOR_CLASSES[self]
+
+    @property
+    def supports_latent_cache(self) -> bool:
+        """The latent KV cache needs every latent whole on every rank: a layout whose merged
+        q/k/v down factor leaves them so (its ``full_latents``)."""
+        classes = FACTOR_CLASSES[self]
+        return classes is not None and classes.qkv_down.full_latents
+
 
 @dataclass(frozen=True)
 class FactorClasses:
