@@ -28,7 +28,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from deinfer_megatron.arch.ranks import AttentionRanks
+from deinfer_megatron.layers.costs import Cost
 from deinfer_megatron.layers.kv_cache import FullKVCache, LatentKVCache, cache_mode
+from deinfer_megatron.parallel.topology import Span, TPView
 
 
 @dataclass
@@ -49,6 +51,23 @@ class FactoredAttentionSubmodules:
     linear_proj: Union[ModuleSpec, type, None] = None
 
 
+_SUFFIX = {  # factor slot → its name in errors and in the communication ledger
+    "linear_qkv_down": "qkv_down",
+    "linear_q_up": "q_up",
+    "linear_k_up": "k_up",
+    "linear_v_up": "v_up",
+    "linear_proj": "proj",
+}
+
+
+def _module_class(spec: Union[ModuleSpec, type, None], slot: str) -> type:
+    """The class a submodule slot builds (a spec's ``params`` only name the layer)."""
+    module = spec.module if isinstance(spec, ModuleSpec) else spec
+    if not isinstance(module, type):
+        raise ValueError(f"slot {slot} holds {spec!r}; give it a class or a ModuleSpec of a class")
+    return module
+
+
 class FactoredSelfAttention(MegatronModule):
     """Decomposed self-attention with Megatron's attention constructor and forward signature.
 
@@ -56,10 +75,17 @@ class FactoredSelfAttention(MegatronModule):
         config: Megatron ``TransformerConfig``.
         submodules: the factor classes, chosen by the layout.
         layer_number: Megatron's global 1-based layer number.
+        attn_mask_type: Megatron's mask type; handed to ``core_attention``.
+        cp_comm_type: Megatron's context-parallel mode (passed only when CP > 1); handed to
+            ``core_attention``, which refuses it.
         pg_collection: process groups; ``tp`` and ``cp`` are used.
         ranks: ranks of q, k, v and o for this layer.
         prefix: the layer's name, for errors and communication accounting.
     Shapes: ``hidden_states [s, b, h]`` → ``([s, b, h], bias or None)``.
+
+    With ``config.perform_initialization`` the q/k/v factors are initialised with
+    ``config.init_method`` and ``linear_proj`` with ``config.output_layer_init_method``: what
+    Megatron gives its ``linear_qkv`` and ``linear_proj``.
     """
 
     def __init__(
@@ -80,56 +106,77 @@ class FactoredSelfAttention(MegatronModule):
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         self.cp_group = getattr(pg_collection, "cp", None)
-        tp = pg_collection.tp
-        d = config.kv_channels
-        n_heads, n_kv = config.num_attention_heads, config.num_query_groups
-        qkv_bias = bool(config.add_qkv_bias or config.add_bias_linear)
-        common = dict(config=config, tp_group=tp, layer_number=layer_number)
+        args = self._slot_args(config, ranks)
+        common = dict(config=config, tp_group=pg_collection.tp, layer_number=layer_number)
 
-        self.linear_qkv_down = build_module(
-            submodules.linear_qkv_down,
-            config.hidden_size,
-            (ranks.q, ranks.k, ranks.v),
-            prefix=f"{prefix}.qkv_down",
-            **common,
-        )
-        ups = {}
-        for name, rank, heads in (("q", ranks.q, n_heads), ("k", ranks.k, n_kv), ("v", ranks.v, n_kv)):
-            ups[name] = build_module(
-                getattr(submodules, f"linear_{name}_up"),
-                heads * d,
-                (rank,),
-                bias=qkv_bias,
-                unit_size=d,
-                prefix=f"{prefix}.{name}_up",
-                **common,
-            )
-        self.linear_q_up, self.linear_k_up, self.linear_v_up = ups["q"], ups["k"], ups["v"]
-        self.head_dim = d
+        def build(slot: str, **extra: Any) -> Any:
+            return build_module(getattr(submodules, slot), **args[slot], **common,
+                                prefix=f"{prefix}.{_SUFFIX[slot]}", **extra)
+
+        # Megatron gives linear_qkv config.init_method and linear_proj output_layer_init_method.
+        self.linear_qkv_down = build("linear_qkv_down", init_method=config.init_method)
+        self.linear_q_up = build("linear_q_up", init_method=config.init_method)
+        self.linear_k_up = build("linear_k_up", init_method=config.init_method)
+        self.linear_v_up = build("linear_v_up", init_method=config.init_method)
+        d = self.head_dim = config.kv_channels
         self.num_heads = self.linear_q_up.output_span.size // d
         self.num_kv_heads = self.linear_k_up.output_span.size // d
 
         self.core_attention = build_module(
             submodules.core_attention,
-            config,
+            config=config,
+            layer_number=layer_number,
+            attn_mask_type=attn_mask_type,
+            attention_type="self",
+            softmax_scale=config.softmax_scale,
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=d,
-            layer_number=layer_number,
         )
-        self.linear_proj = build_module(
-            submodules.linear_proj,
-            n_heads * d,
-            config.hidden_size,
-            bias=config.add_bias_linear,
+        self.linear_proj = build(
+            "linear_proj",
+            init_method=config.output_layer_init_method,
             input_is_parallel=True,
             skip_bias_add=True,
-            ranks=(ranks.o,),
             input_span=self.linear_q_up.output_span,
-            prefix=f"{prefix}.proj",
-            init_method=config.output_layer_init_method,
-            **common,
         )
+
+    @staticmethod
+    def _slot_args(config: Any, ranks: AttentionRanks) -> dict[str, dict[str, Any]]:
+        """The arguments that size each factor slot — shared by ``__init__`` and ``cost``."""
+        d = config.kv_channels
+        q_size, kv_size = config.num_attention_heads * d, config.num_query_groups * d
+        qkv_bias = bool(config.add_qkv_bias or config.add_bias_linear)
+        return {
+            "linear_qkv_down": dict(input_size=config.hidden_size,
+                                    section_ranks=(ranks.q, ranks.k, ranks.v)),
+            "linear_q_up": dict(output_size=q_size, section_ranks=(ranks.q,), bias=qkv_bias, unit_size=d),
+            "linear_k_up": dict(output_size=kv_size, section_ranks=(ranks.k,), bias=qkv_bias, unit_size=d),
+            "linear_v_up": dict(output_size=kv_size, section_ranks=(ranks.v,), bias=qkv_bias, unit_size=d),
+            "linear_proj": dict(input_size=q_size, output_size=config.hidden_size,
+                                bias=config.add_bias_linear, ranks=(ranks.o,)),
+        }
+
+    @classmethod
+    def cost(cls, config: Any, submodules: FactoredAttentionSubmodules, ranks: AttentionRanks,
+             tp: TPView) -> Cost:
+        """What rank ``tp.rank`` of this block holds, issues per token and caches, without
+        building it: the sum of its slots' costs (built with the arguments ``__init__`` gives
+        them), and the KV heads the K up factor's row split leaves this rank — all of them
+        when U_k is not split by heads (naive), its own when it is (DeInfer)."""
+        args = cls._slot_args(config, ranks)
+        slot = {name: _module_class(getattr(submodules, name), name) for name in _SUFFIX}
+
+        def rows(name: str) -> Span:
+            return slot[name].output_rows(args[name]["output_size"], args[name]["unit_size"], tp)
+
+        total = Cost()
+        for name in ("linear_qkv_down", "linear_q_up", "linear_k_up", "linear_v_up"):
+            total += slot[name].cost(**args[name], tp=tp)
+        total += slot["linear_proj"].cost(**args["linear_proj"], tp=tp, input_span=rows("linear_q_up"))
+        return total + Cost(kv_heads=rows("linear_k_up").size // config.kv_channels)
 
     def _project(self, up: torch.nn.Module, latent: torch.Tensor, heads: int) -> torch.Tensor:
         out, bias = up((latent,))

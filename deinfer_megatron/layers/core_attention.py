@@ -15,12 +15,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.core.transformer.enums import AttnMaskType
+
 
 class SdpaCoreAttention(nn.Module):
     """Causal (or masked) attention; queries are the last ``sq`` positions of the ``sk`` keys.
 
+    Takes the keywords Megatron's ``Attention`` gives a ``core_attention`` (those of
+    ``DotProductAttention``) plus the head counts; what this module cannot do is refused rather
+    than ignored.
+
     Args:
-        config: Megatron ``TransformerConfig`` (``softmax_scale`` honoured when set).
+        config: Megatron ``TransformerConfig`` (``softmax_scale`` used when none is given).
+        layer_number: Megatron's 1-based layer number.
+        attn_mask_type: must be ``AttnMaskType.causal`` (the mask this module applies).
+        attention_type: must be ``"self"``.
+        attention_dropout: must be None or 0: no dropout is applied (inference).
+        softmax_scale: the scale of ``q·k``; ``config.softmax_scale``, else ``1/sqrt(d)``.
+        cp_comm_type: context parallelism is not implemented; must be None.
+        pg_collection: accepted for Megatron's signature; nothing here communicates.
         num_heads, num_kv_heads, head_dim: the heads this rank computes.
     Shapes: q ``[sq, b, nq, d]``, k/v ``[sk, b, nkv, d]`` → ``[sq, b, nq·d]``.
     ``attention_mask`` follows Megatron: boolean, True = masked out, broadcastable to
@@ -30,18 +43,34 @@ class SdpaCoreAttention(nn.Module):
     def __init__(
         self,
         config: Any,
+        layer_number: int = 0,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
         *,
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        layer_number: int = 0,
-        **_: Any,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads")
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"attn_mask_type {attn_mask_type} is not supported; this attention is "
+                             "causal (use AttnMaskType.causal and pass a padding mask in forward)")
+        if attention_type != "self":
+            raise ValueError(f"attention_type {attention_type!r} is not supported; only 'self'")
+        if attention_dropout:
+            raise ValueError(f"attention_dropout {attention_dropout} is not supported (no dropout "
+                             "is applied); pass 0 or None")
+        if cp_comm_type is not None:
+            raise ValueError(f"context parallelism (cp_comm_type {cp_comm_type!r}) is not supported; "
+                             "use context_parallel_size=1")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = config.softmax_scale or 1.0 / math.sqrt(head_dim)
+        self.scale = softmax_scale or config.softmax_scale or 1.0 / math.sqrt(head_dim)
         self.layer_number = layer_number
 
     def attend(

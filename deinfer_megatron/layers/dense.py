@@ -6,6 +6,10 @@ nothing in the forward pass when ``gather_output=False`` — and this subclass o
 ``RowParallelLinear``, whose only change is that the all-reduce of its output is issued by
 ``deinfer_megatron.parallel.comm`` so that it is counted like every other collective.
 Parameters, sharding and initialisation are Megatron's.
+
+``dense_attention_cost`` and ``dense_mlp_cost`` say what those blocks cost one rank (parameters,
+collectives per token, KV heads cached), for the planner, the way the factor classes do for
+decomposed blocks.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.layers import RowParallelLinear
 
+from deinfer_megatron.layers.costs import Collective, Cost, issued
 from deinfer_megatron.parallel import comm
-from deinfer_megatron.parallel.topology import TPView
+from deinfer_megatron.parallel.topology import TPView, balanced_split, unit_split
 
 
 class CountedRowParallelLinear(RowParallelLinear):
@@ -43,3 +48,28 @@ class CountedRowParallelLinear(RowParallelLinear):
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None
+
+
+def dense_attention_cost(config: Any, tp: TPView) -> Cost:
+    """Megatron's ``SelfAttention`` on rank ``tp.rank``: ``linear_qkv`` column-parallel by heads
+    (bias when ``add_qkv_bias`` or ``add_bias_linear``, as Megatron decides), ``linear_proj``
+    row-parallel over this rank's query heads with one all-reduce of ``hidden`` (its bias
+    replicated); K/V cached for this rank's KV heads."""
+    h, d = config.hidden_size, config.kv_channels
+    q_span = unit_split(config.num_attention_heads, d, tp)
+    kv_span = unit_split(config.num_query_groups, d, tp)
+    rows = q_span.size + 2 * kv_span.size
+    qkv_bias = config.add_qkv_bias or config.add_bias_linear
+    params = rows * h + (rows if qkv_bias else 0) + h * q_span.size + (h if config.add_bias_linear else 0)
+    return Cost(params, issued(tp, Collective("all_reduce", h)), kv_heads=kv_span.size // d)
+
+
+def dense_mlp_cost(config: Any, tp: TPView) -> Cost:
+    """Megatron's ``MLP`` on rank ``tp.rank``: ``linear_fc1`` column-parallel over the
+    intermediate rows (gate and up sections when gated), ``linear_fc2`` row-parallel with one
+    all-reduce of ``hidden``; biases when ``add_bias_linear``."""
+    h, bias = config.hidden_size, config.add_bias_linear
+    i_span = balanced_split(config.ffn_hidden_size, tp)
+    rows = (2 if config.gated_linear_unit else 1) * i_span.size
+    params = rows * h + (rows if bias else 0) + h * i_span.size + (h if bias else 0)
+    return Cost(params, issued(tp, Collective("all_reduce", h)))

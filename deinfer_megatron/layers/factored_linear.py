@@ -7,6 +7,14 @@ equal sections (gate, up) and each rank returns its slice of every section side 
 Megatron's ``MLP`` splits ``[gate_local, up_local]`` exactly as it does for its own layers.
 Each section is its own decomposed matrix with its own rank (``ranks`` has one entry per
 section); their V factors are merged into one GEMM and their U factors run as one batched GEMM.
+
+Initialisation: both factors of a pair take the ``init_method`` Megatron passes to the slot —
+``config.init_method`` for ``linear_fc1``, ``config.output_layer_init_method`` for
+``linear_fc2`` and ``linear_proj``. The pair *is* the slot's matrix, so it keeps the slot's
+choice: the row slots write into the residual stream, and Megatron's smaller, depth-scaled
+std there is what keeps a freshly built deep model's activations bounded. (The product of two
+such factors has a different spread than one matrix; decomposed models are loaded from a
+checkpoint, and initialisation serves tests and training the factors from scratch.)
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from deinfer_megatron.arch.ranks import MlpRanks
+from deinfer_megatron.layers.costs import Cost
 from deinfer_megatron.layers.factors import (
     GatheredDown,
     ReducedDown,
@@ -24,7 +34,7 @@ from deinfer_megatron.layers.factors import (
     ShardedDown,
     ShardedUp,
 )
-from deinfer_megatron.parallel.topology import Span
+from deinfer_megatron.parallel.topology import Span, TPView
 
 
 class FactoredLinear(nn.Module):
@@ -32,10 +42,17 @@ class FactoredLinear(nn.Module):
 
     Args:
         input_size, output_size: the full (unsharded) matrix shape, as Megatron passes them.
-        config: the Megatron ``TransformerConfig`` (``params_dtype`` is used).
+        config: the Megatron ``TransformerConfig`` (``params_dtype``; ``perform_initialization``).
+        init_method: the slot's initialiser, used for both factors (see the module docstring).
         bias: whether the matrix has a bias (owned by U).
+        gather_output: Megatron's column option; refused (the layout decides what is gathered).
+        input_is_parallel: Megatron's row option; implied by the class (row classes read their
+            ``input_span``), accepted for the signature.
         stride: number of equal output sections (2 for a gated fc1), each its own factor pair.
         skip_bias_add: return the bias separately (Megatron's fusion contract).
+        is_expert: Megatron's MoE flag; refused (decomposed experts are not supported).
+        tp_comm_buffer_name: names Transformer Engine's communication buffers; there are none
+            here (every collective goes through ``parallel.comm``), accepted for the signature.
         tp_group: the tensor-parallel process group (or a ``TPView`` for single-process tests).
         ranks: one rank per section.
         unit_size: rows per output unit (the head dim for attention outputs).
@@ -67,43 +84,49 @@ class FactoredLinear(nn.Module):
         input_span: Span | None = None,
         layer_number: int = 0,
         prefix: str = "",
-        **kwargs: Any,
     ) -> None:
         super().__init__()
+        down, up = self._factor_args(input_size, output_size, ranks=ranks, stride=stride, bias=bias,
+                                     unit_size=unit_size, input_span=input_span, prefix=prefix)
+        if gather_output:
+            raise ValueError(f"{prefix}: decomposed linears do not gather their output")
+        if is_expert:
+            raise ValueError(f"{prefix}: decomposed experts (MoE) are not supported")
+        self.input_size, self.output_size = input_size, output_size
+        self.skip_bias_add = skip_bias_add
+        self.ranks = down["section_ranks"]
+        common = dict(config=config, tp_group=tp_group, init_method=init_method, layer_number=layer_number)
+        self.down = self.down_factor(**down, **common)
+        self.up = self.up_factor(**up, **common)
+
+    @classmethod
+    def cost(cls, input_size: int, output_size: int, *, tp: TPView, ranks: int | Sequence[int],
+             bias: bool = True, stride: int = 1, unit_size: int = 1, input_span: Span | None = None,
+             prefix: str = "") -> Cost:
+        """What rank ``tp.rank`` of this layer holds and issues: its down factor's cost plus its
+        up factor's, for the arguments the constructor would get."""
+        down, up = cls._factor_args(input_size, output_size, ranks=ranks, stride=stride, bias=bias,
+                                    unit_size=unit_size, input_span=input_span, prefix=prefix)
+        return cls.down_factor.cost(**down, tp=tp) + cls.up_factor.cost(**up, tp=tp)
+
+    @staticmethod
+    def _factor_args(input_size: int, output_size: int, *, ranks: int | Sequence[int], stride: int,
+                     bias: bool, unit_size: int, input_span: Span | None,
+                     prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The arguments of the down and the up factor (shared by ``__init__`` and ``cost``)."""
         section_ranks = (ranks,) * stride if isinstance(ranks, int) else tuple(ranks)
         if len(section_ranks) != stride or not all(r > 0 for r in section_ranks):
             raise ValueError(
                 f"{prefix}: expected {stride} positive rank(s) (one per output section), "
                 f"got {section_ranks}"
             )
-        if gather_output:
-            raise ValueError(f"{prefix}: decomposed linears do not gather their output")
-        if is_expert:
-            raise ValueError(f"{prefix}: decomposed experts (MoE) are not supported")
         if output_size % stride:
             raise ValueError(f"{prefix}: output size {output_size} is not {stride} equal sections")
-        self.input_size, self.output_size = input_size, output_size
-        self.skip_bias_add = skip_bias_add
-        self.ranks = section_ranks
-        self.down = self.down_factor(
-            input_size,
-            section_ranks,
-            config=config,
-            tp_group=tp_group,
-            input_span=input_span,
-            layer_number=layer_number,
-            prefix=f"{prefix}.down",
-        )
-        self.up = self.up_factor(
-            output_size // stride,
-            section_ranks,
-            config=config,
-            tp_group=tp_group,
-            bias=bias,
-            unit_size=unit_size,
-            layer_number=layer_number,
-            prefix=f"{prefix}.up",
-        )
+        down = dict(input_size=input_size, section_ranks=section_ranks, input_span=input_span,
+                    prefix=f"{prefix}.down")
+        up = dict(output_size=output_size // stride, section_ranks=section_ranks, bias=bias,
+                  unit_size=unit_size, prefix=f"{prefix}.up")
+        return down, up
 
     @property
     def output_span(self) -> Span:
@@ -143,3 +166,17 @@ class NaiveFactoredLinear(FactoredLinear):
 
     down_factor = ShardedDown
     up_factor = ReducedUp
+
+
+def factored_mlp_cost(config: Any, column: type[FactoredLinear], row: type[FactoredLinear],
+                      ranks: MlpRanks, tp: TPView) -> Cost:
+    """Megatron's ``MLP`` with ``column`` in ``linear_fc1`` and ``row`` in ``linear_fc2``, built
+    as ``MLP.__init__`` builds them: fc1 ``hidden → ffn`` (doubled, stride 2, when gated), fc2
+    ``ffn → hidden``, both with ``add_bias_linear``; the ranks are the spec's (fc1: the up
+    sections, fc2: the down rank). What rank ``tp.rank`` holds and issues per token."""
+    stride = 2 if config.gated_linear_unit else 1
+    fc1 = column.cost(config.hidden_size, config.ffn_hidden_size * stride, tp=tp,
+                      ranks=ranks.up_sections, bias=config.add_bias_linear, stride=stride)
+    fc2 = row.cost(config.ffn_hidden_size, config.hidden_size, tp=tp, ranks=(ranks.down,),
+                   bias=config.add_bias_linear)
+    return fc1 + fc2

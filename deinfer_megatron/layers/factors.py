@@ -16,6 +16,15 @@ returns a ``weight_loader(param, source, shard_id)`` where ``source`` is the *fu
 tensor of one Hugging Face matrix — a ``torch.Tensor`` or a lazily-read safetensors slice — and
 the loader reads just the rows/columns this rank holds. ``shard_id`` is the section index.
 
+Each class also answers, from its constructor arguments and a ``TPView`` alone, what it costs
+one rank (``cost(...)``: parameters held, collectives issued per token): the allocation, the
+loaders and the cost read the same split rules below, so the planner never re-derives them.
+
+With ``config.perform_initialization`` a factor initialises itself the way Megatron's CPU
+initialisation does: it draws each section's *full* factor (float32, in checkpoint
+orientation) with ``init_method`` from the default generator and hands it to its own loader,
+so every TP size holds slices of the same full factors for the same seed. Biases start at zero.
+
 Down factors (input ``[..., in]`` or this rank's input slice):
   * ``GatheredDown``  — DeInfer column side: merged V rows split over ranks (zero-padded to a
     multiple of TP), one all-gather of Σr; every rank then holds every full latent.
@@ -23,7 +32,7 @@ Down factors (input ``[..., in]`` or this rank's input slice):
     latents stay partial (this rank's r/t slice).
   * ``ReducedDown``   — DeInfer row side: V's input columns split like the input, one
     all-reduce of r; every rank then holds the full latent.
-Up factors (weights ``(sections, rows, cols)``; biases ``(sections, rows)``):
+Up factors (weights ``(sections, cols, rows)``, i.e. ``Uᵀ``; biases ``(sections, rows)``):
   * ``ShardedUp``     — DeInfer column side: rows split by units (heads or single rows); no
     communication; sections run as one batched GEMM.
   * ``ReducedUp``     — naive: columns split like ``ShardedDown``; all-reduce of the full output
@@ -33,62 +42,48 @@ Up factors (weights ``(sections, rows, cols)``; biases ``(sections, rows)``):
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deinfer_megatron.layers.costs import Collective, Cost, issued, numel
+from deinfer_megatron.layers.factor_base import (
+    Factor,
+    InitMethod,
+    check_shape,
+    local_param,
+    read_block,
+    section_ranks_of,
+)
 from deinfer_megatron.parallel import comm
 from deinfer_megatron.parallel.topology import Span, TPView, balanced_split, padded_chunk, unit_split
 
-
-def read_block(source: Any, rows: slice, cols: slice | None = None) -> torch.Tensor:
-    """Read ``source[rows, cols]`` from a tensor or a lazy safetensors slice."""
-    block = source[rows] if cols is None else source[rows, cols]
-    return block if isinstance(block, torch.Tensor) else torch.as_tensor(block)
-
-
-def _check_shape(source: Any, expected: tuple[int, ...], prefix: str, what: str) -> None:
-    got = tuple(source.shape if isinstance(source, torch.Tensor) else source.get_shape())
-    if got != expected:
-        raise ValueError(
-            f"{prefix}: {what} has shape {list(got)} but the model config and rank config "
-            f"expect {list(expected)}; check that the checkpoint matches its rank_config.json"
-        )
-
-
-def _param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-
-
-class _Factor(nn.Module):
-    """Shared bookkeeping: the TP view, the Megatron layer number and a name for errors."""
-
-    def __init__(self, tp_group: Any, layer_number: int, prefix: str) -> None:
-        super().__init__()
-        self.tp = TPView.of(tp_group)
-        self.layer_number = layer_number
-        self.prefix = prefix
-
-    def extra_repr(self) -> str:
-        return f"tp={self.tp.rank}/{self.tp.size}"
-
-    def loader_for(self, name: str) -> tuple[Any, int]:
-        """``(weight_loader, number of shard ids)`` for parameter ``name`` of this module.
-
-        Looked up when loading (not stored on the parameter), so it survives ``to_empty``.
-        """
-        return getattr(self, f"_load_{name}"), len(self.section_ranks)
+__all__ = ["GatheredDown", "ShardedDown", "ReducedDown", "ShardedUp", "ReducedUp", "ReplicatedUp",
+           "read_block"]  # read_block: the checkpoint loaders read sources with it too
 
 
 # --------------------------------------------------------------------------------------- down
 
 
-class _Down(_Factor):
+class _Down(Factor):
     """A down factor ``Vᵀ`` (in, cols) over one or more sections sharing one input.
 
-    Subclasses set up their split in ``_columns()``, which returns this rank's column count.
+    Subclasses say which input rows this rank reads (``_input_span``), how many columns it
+    holds (``_local_columns``) and what it communicates (``_collectives``); allocation and
+    ``cost`` both read them.
+
+    Args:
+        input_size: the full input width (``in`` of every section's V).
+        section_ranks: one rank per section (q, k, v merged; gate, up merged; or one).
+        config: Megatron ``TransformerConfig`` (``params_dtype``, ``perform_initialization``).
+        tp_group: the tensor-parallel process group, or a ``TPView`` for single-process tests.
+        init_method: initialiser of the full V (``Factor._initialise``).
+        input_span: this rank's slice of the input (row-parallel classes); whole when None
+            unless the class says otherwise.
+        layer_number, prefix: where the factor sits, for the ledger and for errors.
     """
 
     def __init__(
@@ -98,20 +93,42 @@ class _Down(_Factor):
         *,
         config: Any,
         tp_group: Any,
+        init_method: InitMethod | None = None,
         input_span: Span | None = None,
         layer_number: int = 0,
         prefix: str = "",
-        **_: Any,
     ) -> None:
         super().__init__(tp_group, layer_number, prefix)
-        self.section_ranks = tuple(int(r) for r in section_ranks)
+        self.section_ranks = section_ranks_of(section_ranks)
         self.input_size = input_size
-        self.input_span = input_span or Span.whole(input_size)
-        cols = self._columns()
-        self.weight = _param((self.input_span.size, cols), config.params_dtype)  # Vᵀ
+        self.input_span = self._input_span(input_size, self.section_ranks, self.tp, input_span, prefix)
+        cols = self._local_columns(self.section_ranks, self.tp)
+        self.weight = local_param((self.input_span.size, cols), config.params_dtype)  # Vᵀ
+        self._initialise(config, init_method)
 
-    def _columns(self) -> int:
+    @classmethod
+    def cost(cls, input_size: int, section_ranks: Sequence[int], *, tp: TPView,
+             input_span: Span | None = None, prefix: str = "") -> Cost:
+        """Parameters rank ``tp.rank`` holds and the collectives it issues per token."""
+        ranks = section_ranks_of(section_ranks)
+        span = cls._input_span(input_size, ranks, tp, input_span, prefix)
+        return Cost(span.size * cls._local_columns(ranks, tp), cls._collectives(ranks, tp))
+
+    @classmethod
+    def _input_span(cls, input_size: int, section_ranks: tuple[int, ...], tp: TPView,
+                    input_span: Span | None, prefix: str) -> Span:
+        return input_span or Span.whole(input_size)
+
+    @classmethod
+    def _local_columns(cls, section_ranks: tuple[int, ...], tp: TPView) -> int:
         raise NotImplementedError
+
+    @classmethod
+    def _collectives(cls, section_ranks: tuple[int, ...], tp: TPView) -> tuple[Collective, ...]:
+        return ()
+
+    def _source_shape(self, shard_id: int) -> tuple[int, int]:
+        return (self.section_ranks[shard_id], self.input_size)
 
 
 class GatheredDown(_Down):
@@ -124,15 +141,25 @@ class GatheredDown(_Down):
 
     full_latents = True  # every rank holds whole latents: they can be cached and re-expanded
 
-    def _columns(self) -> int:
-        self.chunk = padded_chunk(sum(self.section_ranks), self.tp.size)
-        return self.chunk
+    @classmethod
+    def _local_columns(cls, section_ranks: tuple[int, ...], tp: TPView) -> int:
+        return padded_chunk(sum(section_ranks), tp.size)
+
+    @classmethod
+    def _collectives(cls, section_ranks: tuple[int, ...], tp: TPView) -> tuple[Collective, ...]:
+        return issued(tp, Collective("all_gather", tp.size * cls._local_columns(section_ranks, tp)))
+
+    @property
+    def chunk(self) -> int:
+        """Padded rows of the merged V on each rank."""
+        return self._local_columns(self.section_ranks, self.tp)
 
     def _load_weight(self, param: nn.Parameter, source: Any, shard_id: int) -> None:
         rank = self.section_ranks[shard_id]
-        _check_shape(source, (rank, self.input_size), self.prefix, f"V of section {shard_id}")
+        check_shape(source, self._source_shape(shard_id), self.prefix, f"V of section {shard_id}")
         offset = sum(self.section_ranks[:shard_id])
-        lo, hi = self.tp.rank * self.chunk, (self.tp.rank + 1) * self.chunk
+        chunk = self.chunk
+        lo, hi = self.tp.rank * chunk, (self.tp.rank + 1) * chunk
         a, b = max(lo, offset), min(hi, offset + rank)
         if a < b:
             param.data[:, a - lo : b - lo].copy_(read_block(source, slice(a - offset, b - offset)).T)
@@ -155,14 +182,26 @@ class ShardedDown(_Down):
 
     full_latents = False
 
-    def _columns(self) -> int:
-        self.spans = tuple(balanced_split(r, self.tp) for r in self.section_ranks)
-        self.local_ranks = tuple(s.size for s in self.spans)
-        return sum(self.local_ranks)
+    @staticmethod
+    def _spans(section_ranks: tuple[int, ...], tp: TPView) -> tuple[Span, ...]:
+        return tuple(balanced_split(r, tp) for r in section_ranks)
+
+    @classmethod
+    def _local_columns(cls, section_ranks: tuple[int, ...], tp: TPView) -> int:
+        return sum(s.size for s in cls._spans(section_ranks, tp))
+
+    @cached_property
+    def spans(self) -> tuple[Span, ...]:
+        """This rank's rows of each section's V."""
+        return self._spans(self.section_ranks, self.tp)
+
+    @cached_property
+    def local_ranks(self) -> tuple[int, ...]:
+        """Width of this rank's partial latent of each section."""
+        return tuple(s.size for s in self.spans)
 
     def _load_weight(self, param: nn.Parameter, source: Any, shard_id: int) -> None:
-        rank = self.section_ranks[shard_id]
-        _check_shape(source, (rank, self.input_size), self.prefix, f"V of section {shard_id}")
+        check_shape(source, self._source_shape(shard_id), self.prefix, f"V of section {shard_id}")
         offset = sum(self.local_ranks[:shard_id])
         span = self.spans[shard_id]
         param.data[:, offset : offset + span.size].copy_(read_block(source, span.slice).T)
@@ -178,19 +217,23 @@ class ReducedDown(_Down):
     Shapes: in ``[..., input_span.size]`` → out 1-tuple of ``[..., r]`` (full latent).
     """
 
-    def __init__(self, input_size: int, section_ranks: Sequence[int], *, tp_group: Any,
-                 input_span: Span | None = None, prefix: str = "", **kwargs: Any) -> None:
+    @classmethod
+    def _input_span(cls, input_size: int, section_ranks: tuple[int, ...], tp: TPView,
+                    input_span: Span | None, prefix: str) -> Span:
         if len(section_ranks) != 1:
             raise ValueError(f"{prefix}: a row-parallel down factor has exactly one section")
-        span = input_span or balanced_split(input_size, TPView.of(tp_group))
-        super().__init__(input_size, section_ranks, tp_group=tp_group, input_span=span,
-                         prefix=prefix, **kwargs)
+        return input_span or balanced_split(input_size, tp)
 
-    def _columns(self) -> int:
-        return self.section_ranks[0]
+    @classmethod
+    def _local_columns(cls, section_ranks: tuple[int, ...], tp: TPView) -> int:
+        return section_ranks[0]
+
+    @classmethod
+    def _collectives(cls, section_ranks: tuple[int, ...], tp: TPView) -> tuple[Collective, ...]:
+        return issued(tp, Collective("all_reduce", section_ranks[0]))
 
     def _load_weight(self, param: nn.Parameter, source: Any, shard_id: int) -> None:
-        _check_shape(source, (self.section_ranks[0], self.input_size), self.prefix, "V")
+        check_shape(source, self._source_shape(0), self.prefix, "V")
         param.data.copy_(read_block(source, slice(None), self.input_span.slice).T)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -201,12 +244,24 @@ class ReducedDown(_Down):
 # ----------------------------------------------------------------------------------------- up
 
 
-class _Up(_Factor):
+class _Up(Factor):
     """An up factor: weights ``(sections, cols, rows)`` (``Uᵀ`` per section), zero-padded to the
     widest section.
 
-    Subclasses say which rows this rank produces (``_rows``), which columns of each section's
-    U it holds (``_columns``), and what happens to each section's output (``_finish``).
+    Subclasses say which rows this rank produces (``output_rows``), which columns of each
+    section's U it holds (``_columns``), what each section's output costs in communication
+    (``_collectives``) and what happens to it (``_finish``); allocation and ``cost`` both read
+    them.
+
+    Args:
+        output_size: rows of one section's U (the full, unsharded output of a section).
+        section_ranks: one rank per section.
+        config: Megatron ``TransformerConfig`` (``params_dtype``, ``perform_initialization``).
+        tp_group: the tensor-parallel process group, or a ``TPView`` for single-process tests.
+        bias: whether each section has a bias (added once, by the caller).
+        init_method: initialiser of the full U (``Factor._initialise``).
+        unit_size: rows per output unit (the head dim for attention, 1 for MLP rows).
+        layer_number, prefix: where the factor sits, for the ledger and for errors.
     """
 
     def __init__(
@@ -217,40 +272,68 @@ class _Up(_Factor):
         config: Any,
         tp_group: Any,
         bias: bool,
+        init_method: InitMethod | None = None,
         unit_size: int = 1,
         layer_number: int = 0,
         prefix: str = "",
-        **_: Any,
     ) -> None:
         super().__init__(tp_group, layer_number, prefix)
         self.output_size = output_size
-        self.section_ranks = tuple(int(r) for r in section_ranks)
-        self.output_span = self._rows(output_size, unit_size)
-        self.column_spans = tuple(self._columns(r) for r in self.section_ranks)
+        self.section_ranks = section_ranks_of(section_ranks)
+        self.output_span = self.output_rows(output_size, unit_size, self.tp)
+        self.column_spans = tuple(self._columns(r, self.tp) for r in self.section_ranks)
         self.rows = self.output_span.size
-        n = len(self.section_ranks)
-        width = max(c.size for c in self.column_spans)
-        self.weight = _param((n, width, self.rows), config.params_dtype)  # Uᵀ per section
-        self.bias = _param((n, self.rows), config.params_dtype) if bias else None
+        weight, bias_shape = self._shapes(output_size, self.section_ranks, self.tp, bias, unit_size)
+        self.weight = local_param(weight, config.params_dtype)  # Uᵀ per section
+        self.bias = None if bias_shape is None else local_param(bias_shape, config.params_dtype)
+        self._initialise(config, init_method)
 
-    def _rows(self, output_size: int, unit_size: int) -> Span:
+    @classmethod
+    def cost(cls, output_size: int, section_ranks: Sequence[int], *, tp: TPView, bias: bool,
+             unit_size: int = 1, prefix: str = "") -> Cost:
+        """Parameters rank ``tp.rank`` holds and the collectives it issues per token."""
+        ranks = section_ranks_of(section_ranks)
+        weight, bias_shape = cls._shapes(output_size, ranks, tp, bias, unit_size)
+        rows = weight[2]
+        return Cost(numel(weight) + numel(bias_shape), cls._collectives(rows, len(ranks), tp))
+
+    @classmethod
+    def _shapes(cls, output_size: int, section_ranks: tuple[int, ...], tp: TPView, bias: bool,
+                unit_size: int) -> tuple[tuple[int, int, int], tuple[int, int] | None]:
+        """(weight shape, bias shape or None) on rank ``tp.rank``."""
+        rows = cls.output_rows(output_size, unit_size, tp).size
+        width = max(cls._columns(r, tp).size for r in section_ranks)
+        n = len(section_ranks)
+        return (n, width, rows), ((n, rows) if bias else None)
+
+    @classmethod
+    def output_rows(cls, output_size: int, unit_size: int, tp: TPView) -> Span:
+        """The rows of each section's output that rank ``tp.rank`` produces."""
         return Span.whole(output_size)
 
-    def _columns(self, rank: int) -> Span:
+    @classmethod
+    def _columns(cls, rank: int, tp: TPView) -> Span:
         return Span.whole(rank)
+
+    @classmethod
+    def _collectives(cls, rows: int, sections: int, tp: TPView) -> tuple[Collective, ...]:
+        return ()
 
     def _finish(self, out: torch.Tensor) -> torch.Tensor:
         return out
 
+    def _source_shape(self, shard_id: int) -> tuple[int, int]:
+        return (self.output_size, self.section_ranks[shard_id])
+
     def _load_weight(self, param: nn.Parameter, source: Any, shard_id: int) -> None:
-        _check_shape(source, (self.output_size, self.section_ranks[shard_id]), self.prefix, "U")
+        check_shape(source, self._source_shape(shard_id), self.prefix, "U")
         block = read_block(source, self.output_span.slice, self.column_spans[shard_id].slice)
         dst = param.data[shard_id]
         dst[: block.shape[1]].copy_(block.T)
         dst[block.shape[1] :].zero_()
 
     def _load_bias(self, param: nn.Parameter, source: Any, shard_id: int) -> None:
-        _check_shape(source, (self.output_size,), self.prefix, f"bias of section {shard_id}")
+        check_shape(source, (self.output_size,), self.prefix, f"bias of section {shard_id}")
         param.data[shard_id].copy_(read_block(source, self.output_span.slice))
 
     def _matmul(self, latents: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -278,8 +361,9 @@ class ShardedUp(_Up):
     → out ``[..., sections · rows]`` with sections side by side (Megatron's ``stride`` layout).
     """
 
-    def _rows(self, output_size: int, unit_size: int) -> Span:
-        return unit_split(output_size // unit_size, unit_size, self.tp)
+    @classmethod
+    def output_rows(cls, output_size: int, unit_size: int, tp: TPView) -> Span:
+        return unit_split(output_size // unit_size, unit_size, tp)
 
     def per_unit(self, z: torch.Tensor, unit_size: int) -> torch.Tensor:
         """Apply each unit's rows of U (and bias) to latents already mixed per unit.
@@ -302,8 +386,13 @@ class ReducedUp(_Up):
     The bias is replicated and returned to be added once (after the reduction).
     """
 
-    def _columns(self, rank: int) -> Span:
-        return balanced_split(rank, self.tp)
+    @classmethod
+    def _columns(cls, rank: int, tp: TPView) -> Span:
+        return balanced_split(rank, tp)
+
+    @classmethod
+    def _collectives(cls, rows: int, sections: int, tp: TPView) -> tuple[Collective, ...]:
+        return issued(tp, *[Collective("all_reduce", rows)] * sections)
 
     def _finish(self, out: torch.Tensor) -> torch.Tensor:
         return comm.all_reduce_sum(out, self.tp, site=self.prefix, layer=self.layer_number)

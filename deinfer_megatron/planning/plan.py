@@ -3,8 +3,10 @@
 For every transformer layer: whether it is dense or decomposed, its ranks, the parameters one
 rank holds, the collectives it issues per token (kind and element count, the unit of
 DESIGN.md §3) and the KV-cache bytes per token one rank stores (full K/V, and rank-r latents).
-The numbers are formulas over the same partition rules the layers use; the test suite checks
-them against an instrumented forward pass and the parameters a built model really allocates.
+The planner knows no layout: it walks the layers, takes each block's classes from the layout
+table (``Layout.factor_classes``; None = Megatron's dense blocks) and asks those classes what
+they cost (``cost``), without building them. The test suite checks the numbers against an
+instrumented forward pass and the parameters a built model really allocates.
 Collectives of the embedding and the output layer (Megatron's own) are not included.
 """
 
@@ -13,10 +15,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from deinfer_megatron.arch.model import ModelArch
-from deinfer_megatron.parallel.topology import TPView, balanced_split, padded_chunk, unit_split
-from deinfer_megatron.specs.builder import require_dense_attention_fits
-from deinfer_megatron.specs.layout import Layout
+from deinfer_megatron.arch.model import ModelArch, transformer_config
+from deinfer_megatron.arch.ranks import AttentionRanks, MlpRanks
+from deinfer_megatron.layers.attention import FactoredSelfAttention
+from deinfer_megatron.layers.costs import Cost
+from deinfer_megatron.layers.dense import dense_attention_cost, dense_mlp_cost
+from deinfer_megatron.layers.factored_linear import factored_mlp_cost
+from deinfer_megatron.parallel.topology import TPView
+from deinfer_megatron.specs.builder import factored_attention_submodules, require_dense_attention_fits
+from deinfer_megatron.specs.layout import FactorClasses, Layout
 from deinfer_megatron.specs.rank_config import LayerRanks, RankConfig
 
 
@@ -51,62 +58,25 @@ class Plan:
         return out
 
 
-# ------------------------------------------------------------------------- per-block formulas
+# --------------------------------------------------------------------------- per-layer costs
 
 
-def _attention(arch: ModelArch, ranks: Any, layout: Layout, tp: TPView) -> tuple[int, list, int]:
-    """(params on rank ``tp.rank``, collectives, KV heads stored) of one attention block."""
-    h, d = arch.hidden_size, arch.head_dim
-    q_span = unit_split(arch.num_heads, d, tp)
-    kv_span = unit_split(arch.num_kv_heads, d, tp)
-    qkv_bias = arch.qkv_bias
-    o_bias = h if arch.linear_bias else 0
-    if ranks is None or layout is Layout.DENSE:  # Megatron's SelfAttention
-        rows = q_span.size + 2 * kv_span.size
-        params = rows * h + (rows if qkv_bias else 0) + h * q_span.size + o_bias
-        return params, [("all_reduce", h)] if tp.size > 1 else [], kv_span.size // d
-    r_qkv = (ranks.q, ranks.k, ranks.v)
-    if layout is Layout.DEINFER:
-        params = padded_chunk(sum(r_qkv), tp.size) * h
-        for span, r in ((q_span, ranks.q), (kv_span, ranks.k), (kv_span, ranks.v)):
-            params += span.size * r + (span.size if qkv_bias else 0)
-        params += ranks.o * q_span.size + h * ranks.o + o_bias
-        ops = [("all_gather", tp.size * padded_chunk(sum(r_qkv), tp.size)), ("all_reduce", ranks.o)]
-        return params, ops if tp.size > 1 else [], kv_span.size // d
-    # naive: every rank holds all heads
-    local = [balanced_split(r, tp).size for r in r_qkv]
-    q_full, kv_full = arch.num_heads * d, arch.num_kv_heads * d
-    params = sum(local) * h
-    for full, r in ((q_full, local[0]), (kv_full, local[1]), (kv_full, local[2])):
-        params += full * r + (full if qkv_bias else 0)
-    r_o = balanced_split(ranks.o, tp).size
-    params += r_o * q_full + h * r_o + o_bias
-    ops = [("all_reduce", q_full), ("all_reduce", kv_full), ("all_reduce", kv_full), ("all_reduce", h)]
-    return params, ops if tp.size > 1 else [], arch.num_kv_heads
-
-
-def _mlp(arch: ModelArch, ranks: Any, layout: Layout, tp: TPView) -> tuple[int, list]:
-    h, i = arch.hidden_size, arch.ffn_hidden_size
-    sections = 2 if arch.gated else 1
-    bias = arch.linear_bias
-    i_span = balanced_split(i, tp)
-    if ranks is None or layout is Layout.DENSE:  # Megatron's MLP
-        rows = sections * i_span.size
-        params = rows * h + (rows if bias else 0) + h * i_span.size + (h if bias else 0)
-        return params, [("all_reduce", h)] if tp.size > 1 else []
-    ups = ranks.up_sections
-    if layout is Layout.DEINFER:
-        params = padded_chunk(sum(ups), tp.size) * h
-        params += sections * i_span.size * max(ups) + (sections * i_span.size if bias else 0)
-        params += ranks.down * i_span.size + h * ranks.down + (h if bias else 0)
-        ops = [("all_gather", tp.size * padded_chunk(sum(ups), tp.size)), ("all_reduce", ranks.down)]
-        return params, ops if tp.size > 1 else []
-    local = [balanced_split(r, tp).size for r in ups]
-    params = sum(local) * h + sections * i * max(local) + (sections * i if bias else 0)
-    r_d = balanced_split(ranks.down, tp).size
-    params += r_d * i + h * r_d + (h if bias else 0)
-    ops = [("all_reduce", i)] * sections + [("all_reduce", h)]
-    return params, ops if tp.size > 1 else []
+def _block_costs(config: Any, classes: FactorClasses | None, attn: AttentionRanks | None,
+                 mlp: MlpRanks | None, tp: TPView) -> tuple[Cost, Cost]:
+    """(attention, MLP) cost on rank ``tp.rank``, each answered by the module the block is built
+    as: Megatron's dense block where there are no ranks, else the decomposed block with the
+    layout's factor classes in its slots."""
+    attention = (
+        dense_attention_cost(config, tp)
+        if attn is None
+        else FactoredSelfAttention.cost(config, factored_attention_submodules(classes), attn, tp)
+    )
+    ffn = (
+        dense_mlp_cost(config, tp)
+        if mlp is None
+        else factored_mlp_cost(config, classes.column, classes.row, mlp, tp)
+    )
+    return attention, ffn
 
 
 def _norm_params(arch: ModelArch) -> int:
@@ -119,24 +89,33 @@ def _rank_names(arch: ModelArch, rank_config: RankConfig, index: int) -> dict[st
 
 
 def layer_plan(
-    arch: ModelArch, rank_config: RankConfig, layout: Layout, tp: int, index: int, dtype_bytes: int
+    arch: ModelArch,
+    rank_config: RankConfig,
+    layout: Layout,
+    tp: int,
+    index: int,
+    dtype_bytes: int,
+    *,
+    config: Any = None,
 ) -> LayerPlan:
-    """The plan of global layer ``index``; parameters are the maximum over the TP ranks."""
+    """The plan of global layer ``index``; parameters are the maximum over the TP ranks.
+
+    ``config`` is the model's Megatron ``TransformerConfig`` (built from ``arch`` when omitted):
+    the costs are asked with the very values the layers are built from.
+    """
+    config = config if config is not None else transformer_config(arch, tp=tp, pp=1)
     ranks: LayerRanks = rank_config.layers[index]
-    dense = layout is Layout.DENSE
-    attn = None if dense else ranks.attention
-    mlp = None if dense else ranks.mlp
+    classes = layout.factor_classes
+    # The blocks as built: without factor classes (the dense layout) every block is dense.
+    attn, mlp = (ranks.attention, ranks.mlp) if classes is not None else (None, None)
     if attn is None:
         require_dense_attention_fits(arch.num_kv_heads, tp, index)
-    params, kv_heads = 0, 0
-    ops: list[tuple[str, int]] = []
+    params = 0
     for rank in range(tp):
-        view = TPView(rank, tp)
-        p_a, ops_a, kv_heads = _attention(arch, attn, layout, view)
-        p_m, ops_m = _mlp(arch, mlp, layout, view)
-        params = max(params, p_a + p_m + _norm_params(arch))
-        ops = ops_a + ops_m
-    full = 2 * kv_heads * arch.head_dim * dtype_bytes
+        attention, ffn = _block_costs(config, classes, attn, mlp, TPView(rank, tp))
+        params = max(params, attention.params + ffn.params + _norm_params(arch))
+    ops = [(c.kind, c.elements) for c in attention.collectives + ffn.collectives]
+    full = 2 * attention.kv_heads * arch.head_dim * dtype_bytes
     latent = None if attn is None else (attn.k + attn.v) * dtype_bytes
     # kind and ranks describe the model; the dense layout serves the same factors multiplied out
     kind = {(True, True): "decomposed", (True, False): "attention-decomposed",
@@ -193,7 +172,9 @@ def make_plan(
     layout = Layout.parse(layout)
     check_parallel_sizes(arch, tp, pp)
     stages = _stage_bounds(arch.num_layers, pp)
-    layers = [layer_plan(arch, rank_config, layout, tp, i, dtype_bytes) for i in range(arch.num_layers)]
+    config = transformer_config(arch, tp=tp, pp=pp)
+    layers = [layer_plan(arch, rank_config, layout, tp, i, dtype_bytes, config=config)
+              for i in range(arch.num_layers)]
     stage_params = [
         sum(l.params_per_rank for l in layers[a:b]) + _edge_params(arch, tp, pp, s)
         for s, (a, b) in enumerate(stages)

@@ -61,18 +61,24 @@ def _dense_attention(number: int) -> ModuleSpec:
     )
 
 
+def factored_attention_submodules(classes: FactorClasses) -> FactoredAttentionSubmodules:
+    """The slots of a decomposed attention block under a layout's factor classes (what the
+    spec builds, and what the planner asks for costs)."""
+    return FactoredAttentionSubmodules(
+        linear_qkv_down=classes.qkv_down,
+        linear_q_up=classes.qkv_up,
+        linear_k_up=classes.qkv_up,
+        linear_v_up=classes.qkv_up,
+        core_attention=SdpaCoreAttention,
+        linear_proj=classes.row,
+    )
+
+
 def _factored_attention(classes: FactorClasses, ranks: Any, number: int) -> ModuleSpec:
     return ModuleSpec(
         module=FactoredSelfAttention,
         params={"attn_mask_type": AttnMaskType.causal, "ranks": ranks, "prefix": f"{number}"},
-        submodules=FactoredAttentionSubmodules(
-            linear_qkv_down=classes.qkv_down,
-            linear_q_up=classes.qkv_up,
-            linear_k_up=classes.qkv_up,
-            linear_v_up=classes.qkv_up,
-            core_attention=SdpaCoreAttention,
-            linear_proj=classes.row,
-        ),
+        submodules=factored_attention_submodules(classes),
     )
 
 

@@ -3,6 +3,9 @@
 A layout is a value: which factor class fills each slot of a decomposed attention block and of
 a decomposed MLP. ``dense`` has no factor classes: every layer is built as Megatron's dense
 tensor-parallel layer (a decomposed checkpoint is multiplied out at load time).
+
+The spec builder puts these classes into the slots, and the planner asks the same classes what
+they cost (their ``cost`` class methods), so a new layout is one entry in ``FACTOR_CLASSES``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class Layout(str, Enum):
 
     @property
     def factor_classes(self) -> "FactorClasses | None":
+        """The classes of this layout's decomposed blocks; None: every block is Megatron's dense one."""
         return FACTOR_CLASSES[self]
 
     @property

@@ -1,0 +1,62 @@
+"""What a layer costs one rank — parameters held, collectives issued — without building it.
+
+Every layer class answers for itself from its constructor arguments and a ``TPView``
+(``cost(...)`` class methods next to the code that allocates and communicates), so the planner
+walks a model's layers and adds up their answers instead of re-deriving each layout's
+formulas. This module holds only the value those methods return.
+
+A collective is counted in the unit of the communication ledger (``parallel.comm``): elements
+per token of the gathered or reduced tensor. A collective over a group of one rank is never
+issued (``comm`` returns its input), so a cost lists none at TP 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from deinfer_megatron.parallel.topology import TPView
+
+
+class Collective(NamedTuple):
+    """One collective per token: its kind and element count, as the ledger records them."""
+
+    kind: str  # "all_gather" | "all_reduce"
+    elements: int
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one rank holds and sends for one layer (or a sum of layers).
+
+    Attributes:
+        params: parameter elements this rank allocates.
+        collectives: the collectives this rank issues per token, in the order it issues them.
+        kv_heads: KV heads whose K/V this rank caches (attention blocks; 0 for everything else).
+    """
+
+    params: int = 0
+    collectives: tuple[Collective, ...] = ()
+    kv_heads: int = 0
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(
+            self.params + other.params,
+            self.collectives + other.collectives,
+            self.kv_heads + other.kv_heads,
+        )
+
+
+def issued(tp: TPView, *collectives: Collective) -> tuple[Collective, ...]:
+    """``collectives`` as a rank of ``tp`` issues them: none on a group of one rank."""
+    return collectives if tp.size > 1 else ()
+
+
+def numel(shape: tuple[int, ...] | None) -> int:
+    """Elements of a parameter of ``shape`` (0 for an absent one, such as no bias)."""
+    if shape is None:
+        return 0
+    n = 1
+    for s in shape:
+        n *= s
+    return n
