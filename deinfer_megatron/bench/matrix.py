@@ -11,102 +11,116 @@ the matrix goes on.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from deinfer_megatron.bench.records import Cell, CellRecord, CellStatus, PlanTotals, RankMeasurement
 from deinfer_megatron.bench.sources import ModelSource
+from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.specs.layout import Layout
 
-LAYOUTS = ("dense", "naive", "deinfer")
-KV_CACHES = ("full", "latent")
+LAYOUTS: tuple[Layout, ...] = tuple(Layout)
+KV_CACHES: tuple[CacheKind, ...] = tuple(CacheKind)
 
 
 @dataclass(frozen=True)
-class BenchConfig:
-    """Everything ``deinfer-megatron bench`` was asked for (validated by ``check_config``)."""
+class BenchGrid:
+    """The experiment: which model, which cells, how many runs each (checked by ``check_config``)."""
 
     model: Path | None = None
     synthetic: str | None = None
     ratio: float = 0.6
-    layouts: tuple[str, ...] = LAYOUTS
-    kv_caches: tuple[str, ...] = ("full",)
+    layouts: tuple[Layout, ...] = LAYOUTS
+    kv_caches: tuple[CacheKind, ...] = (CacheKind.FULL,)
     tps: tuple[int, ...] = (1, 2)
     batches: tuple[int, ...] = (1, 8, 32)
     prompt_lens: tuple[int, ...] = (128,)
     gen_len: int = 32
     repeats: int = 3
     seed: int = 0
+    roofline: bool = False  # also measure this machine's rates and bound each decode step
+    cell_timeout_s: float = 1800.0
+
+
+@dataclass(frozen=True)
+class BenchOutputs:
+    """Where the results go, and whether a progress bar is drawn on stderr."""
+
     json: Path | None = None
     markdown: Path | None = None
     plot: Path | None = None
-    roofline: bool = False
-    cell_timeout_s: float = 1800.0
     progress: bool = True
 
 
 @dataclass(frozen=True)
-class Cell:
-    layout: str
-    kv_cache: str
-    tp: int
-    batch: int
-    prompt_len: int
+class BenchConfig:
+    """Everything ``deinfer-megatron bench`` was asked for."""
 
-    def label(self) -> str:
-        return f"{self.layout}/{self.kv_cache} tp={self.tp} b={self.batch} ctx={self.prompt_len}"
+    grid: BenchGrid
+    outputs: BenchOutputs = field(default_factory=BenchOutputs)
+
+    def to_json(self) -> dict[str, Any]:
+        """The document's ``args``: every option, by its name in earlier documents."""
+        g, o = self.grid, self.outputs
+        path = lambda p: None if p is None else str(p)  # noqa: E731
+        return {"model": path(g.model), "synthetic": g.synthetic, "ratio": g.ratio,
+                "layouts": [l.value for l in g.layouts], "kv_caches": [k.value for k in g.kv_caches],
+                "tps": list(g.tps), "batches": list(g.batches), "prompt_lens": list(g.prompt_lens),
+                "gen_len": g.gen_len, "repeats": g.repeats, "seed": g.seed, "json": path(o.json),
+                "markdown": path(o.markdown), "plot": path(o.plot), "roofline": g.roofline,
+                "cell_timeout_s": g.cell_timeout_s, "progress": o.progress}
 
 
 def check_config(cfg: BenchConfig) -> None:
     """Everything that can be rejected before a model is drawn or a rank started."""
-    if (cfg.model is None) == (cfg.synthetic is None):
+    grid = cfg.grid
+    if (grid.model is None) == (grid.synthetic is None):
         raise ValueError("give exactly one of --model DIR or --synthetic NAME")
-    if cfg.synthetic is not None:
+    if grid.synthetic is not None:
         from deinfer_megatron.decompose.allocation import check_ratio
         from deinfer_megatron.models.synthetic import synthetic_config
 
-        synthetic_config(cfg.synthetic)  # unknown name → names the choices
-        check_ratio(cfg.ratio)
-    for flag, values, allowed in (("--layouts", cfg.layouts, LAYOUTS), ("--kv-cache", cfg.kv_caches, KV_CACHES)):
+        synthetic_config(grid.synthetic)  # unknown name → names the choices
+        check_ratio(grid.ratio)
+    for flag, values, allowed in (("--layouts", grid.layouts, LAYOUTS), ("--kv-cache", grid.kv_caches, KV_CACHES)):
         if not values:
-            raise ValueError(f"{flag} needs at least one of {','.join(allowed)}")
-        for v in values:
-            if v not in allowed:
-                raise ValueError(f"{flag}: unknown value {v!r}; choose from {','.join(allowed)}")
-    for flag, ints in (("--tp", cfg.tps), ("--batch", cfg.batches), ("--prompt-len", cfg.prompt_lens)):
+            raise ValueError(f"{flag} needs at least one of {','.join(m.value for m in allowed)}")
+    for flag, ints in (("--tp", grid.tps), ("--batch", grid.batches), ("--prompt-len", grid.prompt_lens)):
         if not ints:
             raise ValueError(f"{flag} needs at least one positive integer, e.g. {flag} 1,2")
         if min(ints) < 1:
             raise ValueError(f"{flag} values must be positive integers, got {min(ints)}")
-    if cfg.gen_len < 2:
-        raise ValueError(f"--gen-len must be at least 2 (a decode step follows the first token), got {cfg.gen_len}")
-    if cfg.repeats < 1:
-        raise ValueError(f"--repeats must be at least 1, got {cfg.repeats}")
-    if cfg.plot is not None:
+    if grid.gen_len < 2:
+        raise ValueError(f"--gen-len must be at least 2 (a decode step follows the first token), got {grid.gen_len}")
+    if grid.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {grid.repeats}")
+    if cfg.outputs.plot is not None:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ValueError("--plot needs matplotlib; pip install matplotlib") from None
 
 
-def check_sizes(cfg: BenchConfig, source: ModelSource) -> None:
+def check_sizes(grid: BenchGrid, source: ModelSource) -> None:
     """TP sizes and lengths this model cannot take (the same one-line errors as ``plan``)."""
     from deinfer_megatron.models.build import check_parallel_sizes
 
-    for tp in cfg.tps:
+    for tp in grid.tps:
         check_parallel_sizes(source.arch, tp, 1)
-    needed, context = max(cfg.prompt_lens) + cfg.gen_len, source.arch.max_positions
+    needed, context = max(grid.prompt_lens) + grid.gen_len, source.arch.max_positions
     if needed > context:
-        raise ValueError(f"--prompt-len {max(cfg.prompt_lens)} + --gen-len {cfg.gen_len} = {needed} exceeds "
+        raise ValueError(f"--prompt-len {max(grid.prompt_lens)} + --gen-len {grid.gen_len} = {needed} exceeds "
                          f"the model's context of {context} tokens; lower one of them")
 
 
-def make_cells(cfg: BenchConfig) -> list[Cell]:
+def make_cells(grid: BenchGrid) -> list[Cell]:
     """The grid in a stable order: prompt length, TP, batch, then layout and KV cache."""
     return [Cell(layout, kv, tp, batch, ctx)
-            for ctx in cfg.prompt_lens for tp in cfg.tps for batch in cfg.batches
-            for layout in cfg.layouts for kv in cfg.kv_caches]
+            for ctx in grid.prompt_lens for tp in grid.tps for batch in grid.batches
+            for layout in grid.layouts for kv in grid.kv_caches]
 
 
 def random_prompts(vocab: int, batch: int, prompt_len: int, seed: int) -> tuple[tuple[int, ...], ...]:
@@ -116,15 +130,15 @@ def random_prompts(vocab: int, batch: int, prompt_len: int, seed: int) -> tuple[
     return tuple(tuple(row) for row in ids.tolist())
 
 
-def plan_totals(cell: Cell, source: ModelSource) -> dict[str, Any]:
+def plan_totals(cell: Cell, source: ModelSource) -> PlanTotals:
     """The planner's per-token totals for this cell (ValueError when the layout cannot run)."""
     from deinfer_megatron.planning.plan import make_plan
 
     plan = make_plan(source.arch, source.rank_config, cell.layout, tp=cell.tp, batch=cell.batch)
     t = plan.totals
-    return {"collectives_per_token": t["collectives_per_token"], "elements_per_token": t["elements_per_token"],
-            "params_per_rank": t["params_per_rank"], "kv_bytes_per_token": t["kv_bytes_per_token"][cell.kv_cache],
-            "collective_ops": [op for layer in plan.layers for op in layer.collective_ops]}
+    return PlanTotals(t["collectives_per_token"], t["elements_per_token"], t["params_per_rank"],
+                      t["kv_bytes_per_token"][cell.kv_cache.value],
+                      tuple(tuple(op) for layer in plan.layers for op in layer.collective_ops))
 
 
 def _first_line(err: BaseException) -> str:
@@ -132,47 +146,45 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
-def run_cell(cell: Cell, source: ModelSource, cfg: BenchConfig) -> list[dict[str, Any]]:
-    """Run ``cell`` in fresh ranks; every rank's raw measurements, by rank."""
+def run_cell(cell: Cell, source: ModelSource, grid: BenchGrid) -> list[RankMeasurement]:
+    """Run ``cell`` in fresh ranks; every rank's measurements, by rank."""
     from deinfer_megatron.bench.measure import CellJob, cell_worker
     from deinfer_megatron.launch.local import spawn_local
 
     job = CellJob(source.folder_for(cell.layout), cell.layout, cell.kv_cache, cell.tp, cell.batch,
-                  cell.prompt_len, cfg.gen_len, cfg.repeats,
-                  random_prompts(source.arch.vocab_size, cell.batch, cell.prompt_len, cfg.seed))
-    return spawn_local(cell.tp, cell_worker, job, timeout=cfg.cell_timeout_s)
+                  cell.prompt_len, grid.gen_len, grid.repeats,
+                  random_prompts(source.arch.vocab_size, cell.batch, cell.prompt_len, grid.seed))
+    return spawn_local(cell.tp, cell_worker, job, timeout=grid.cell_timeout_s)
 
 
-Runner = Callable[[Cell, ModelSource, BenchConfig], list[dict[str, Any]]]
+Runner = Callable[[Cell, ModelSource, BenchGrid], list[RankMeasurement]]
 
 
-def cell_record(cell: Cell, cfg: BenchConfig) -> dict[str, Any]:
-    return {**asdict(cell), "gen_len": cfg.gen_len, "repeats": cfg.repeats}
-
-
-def run_matrix(cfg: BenchConfig, source: ModelSource, runner: Runner = run_cell) -> list[dict[str, Any]]:
-    """Every cell's record: status "ok" (with per-rank results), "skipped" or "error"."""
+def run_matrix(grid: BenchGrid, source: ModelSource, runner: Runner = run_cell, *,
+               progress: bool = True) -> list[CellRecord]:
+    """Every cell's record: measured (with per-rank results), skipped or failed."""
     from tqdm import tqdm
 
-    cells = make_cells(cfg)
+    cells = make_cells(grid)
     records = []
-    bar = tqdm(cells, desc="bench", unit="cell", disable=not cfg.progress, dynamic_ncols=True)
+    bar = tqdm(cells, desc="bench", unit="cell", disable=not progress, dynamic_ncols=True)
     for cell in bar:
         bar.set_postfix_str(cell.label())
-        rec = cell_record(cell, cfg)
+        head = dict(cell=cell, gen_len=grid.gen_len, repeats=grid.repeats)
         reason = skip_reason(cell, source)
         if reason is not None:
-            records.append({**rec, "status": "skipped", "reason": reason})
+            records.append(CellRecord(**head, status=CellStatus.SKIPPED, reason=reason))
             continue
-        rec["plan"] = plan_totals(cell, source)
+        plan = plan_totals(cell, source)
         start = time.perf_counter()
         try:
-            ranks = runner(cell, source, cfg)
+            ranks = runner(cell, source, grid)
         except Exception as err:  # noqa: BLE001 - a failed cell is data; the matrix goes on
-            records.append({**rec, "status": "error", "error": _first_line(err),
-                            "wall_s": time.perf_counter() - start})
+            records.append(CellRecord(**head, status=CellStatus.ERROR, plan=plan, error=_first_line(err),
+                                      wall_s=time.perf_counter() - start))
             continue
-        records.append({**rec, "status": "ok", "wall_s": time.perf_counter() - start, "ranks": ranks})
+        records.append(CellRecord(**head, status=CellStatus.OK, plan=plan, wall_s=time.perf_counter() - start,
+                                  ranks=tuple(ranks)))
     bar.close()
     return records
 
@@ -188,8 +200,8 @@ def skip_reason(cell: Cell, source: ModelSource) -> str | None:
     return reason
 
 
-def require_runnable(cfg: BenchConfig, source: ModelSource) -> None:
+def require_runnable(grid: BenchGrid, source: ModelSource) -> None:
     """One-line error when every cell would be skipped, naming why."""
-    reasons = [skip_reason(cell, source) for cell in make_cells(cfg)]
+    reasons = [skip_reason(cell, source) for cell in make_cells(grid)]
     if all(reasons):
         raise ValueError("no configuration can run: " + "; ".join(dict.fromkeys(r for r in reasons if r)))

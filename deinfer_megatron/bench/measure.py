@@ -19,14 +19,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deinfer_megatron.bench.records import DecodeStepComm, RankMeasurement, Sample
+from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.specs.layout import Layout
+
 
 @dataclass(frozen=True)
 class CellJob:
     """One configuration, as handed to every rank (picklable)."""
 
     folder: Path
-    layout: str
-    kv_cache: str
+    layout: Layout
+    kv_cache: CacheKind
     tp: int
     batch: int
     prompt_len: int
@@ -97,7 +101,7 @@ class StepProbe:
             self._recording = None
 
 
-def _one_run(stage: Any, job: CellJob, context: Any, record: bool) -> tuple[dict[str, Any], Any]:
+def _one_run(stage: Any, job: CellJob, context: Any, record: bool) -> tuple[Sample, Any]:
     from deinfer_megatron.generation.loop import generate_tokens
     from deinfer_megatron.generation.sampling import SamplingParams
 
@@ -112,28 +116,28 @@ def _one_run(stage: Any, job: CellJob, context: Any, record: bool) -> tuple[dict
     assert new_tokens == job.batch * job.gen_len, f"generated {new_tokens} tokens, expected batch × gen-len"
     marks = probe.marks
     steps = [b - a for a, b in zip(marks, marks[1:])]
-    sample = {
-        "ttft_s": marks[0] - start,
-        "prefill_s": timing.prefill_s,
-        "decode_s": marks[-1] - marks[0],
-        "tpot_s": (marks[-1] - marks[0]) / len(steps),
-        "step_s": steps,
-        "new_tokens": new_tokens,
-    }
+    sample = Sample(
+        ttft_s=marks[0] - start,
+        prefill_s=timing.prefill_s,
+        decode_s=marks[-1] - marks[0],
+        tpot_s=(marks[-1] - marks[0]) / len(steps),
+        step_s=tuple(steps),
+        new_tokens=new_tokens,
+    )
     return sample, probe.ledger
 
 
-def _ledger_summary(ledger: Any) -> dict[str, Any]:
+def _ledger_summary(ledger: Any) -> DecodeStepComm:
     kinds: dict[str, int] = {}
     for rec in ledger.records:
         kinds[rec.kind] = kinds.get(rec.kind, 0) + 1
-    return {"collectives": len(ledger.records),
-            "elements": sum(r.elements_per_token for r in ledger.records),
-            "by_kind": kinds,
-            "tokens_per_collective": sorted({r.tokens for r in ledger.records})}
+    return DecodeStepComm(collectives=len(ledger.records),
+                          elements=sum(r.elements_per_token for r in ledger.records),
+                          by_kind=kinds,
+                          tokens_per_collective=tuple(sorted({r.tokens for r in ledger.records})))
 
 
-def cell_worker(job: CellJob) -> dict[str, Any]:
+def cell_worker(job: CellJob) -> RankMeasurement:
     """Run one cell on this rank; every rank returns its own measurements."""
     from deinfer_megatron.checkpoints.folder import open_model
     from deinfer_megatron.generation.context import GenerationContext, describe
@@ -151,19 +155,19 @@ def cell_worker(job: CellJob) -> dict[str, Any]:
         reset = reset_peak_rss()
         context = GenerationContext(job.batch, job.prompt_len + job.gen_len, kv_cache=job.kv_cache)
         warmup, ledger = _one_run(stage, job, context, record=True)
-        samples = [_one_run(stage, job, context, record=False)[0] for _ in range(job.repeats)]
+        samples = tuple(_one_run(stage, job, context, record=False)[0] for _ in range(job.repeats))
         cache = describe(context)
         rss_run = peak_rss_bytes() if reset else None
     finally:
         shutdown()
-    return {
-        "tp_rank": groups.tp_rank,
-        "load_s": load_s,
-        "warmup": warmup,
-        "samples": samples,
-        "decode_step_comm": _ledger_summary(ledger),
-        "peak_rss_bytes": max(rss_after_load, rss_run or 0),
-        "peak_rss_generate_bytes": rss_run,
-        "kv_cache_bytes": cache["kv_cache_bytes"],
-        "kv_bytes_per_token": cache["kv_bytes_per_token"],
-    }
+    return RankMeasurement(
+        tp_rank=groups.tp_rank,
+        load_s=load_s,
+        warmup=warmup,
+        samples=samples,
+        decode_step_comm=_ledger_summary(ledger),
+        peak_rss_bytes=max(rss_after_load, rss_run or 0),
+        peak_rss_generate_bytes=rss_run,
+        kv_cache_bytes=cache["kv_cache_bytes"],
+        kv_bytes_per_token=cache["kv_bytes_per_token"],
+    )

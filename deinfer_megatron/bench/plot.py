@@ -5,41 +5,54 @@ communicated per token, per layout and TP. matplotlib's Agg backend: no display 
 from __future__ import annotations
 
 import io
-from typing import Any
 
-STYLE = {"dense": ("tab:gray", "s"), "naive": ("tab:red", "v"), "deinfer": ("tab:blue", "o")}
+from deinfer_megatron.bench.records import CellRecord, CellStatus
+from deinfer_megatron.bench.report import BenchDocument
+from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.specs.layout import Layout
+
+STYLE = {Layout.DENSE: ("tab:gray", "s"), Layout.NAIVE: ("tab:red", "v"), Layout.DEINFER: ("tab:blue", "o")}
+
+Series = dict[tuple[Layout, CacheKind, int], list[tuple[int, float]]]  # (layout, kv, ctx) → (batch, tok/s)
 
 
-def _series(records: list[dict[str, Any]], tp: int, several_ctx: bool) -> dict[str, list[tuple[int, float]]]:
-    lines: dict[str, list[tuple[int, float]]] = {}
-    for r in records:
-        if r["status"] != "ok" or r["tp"] != tp:
-            continue
-        label = r["layout"] + ("" if r["kv_cache"] == "full" else f" ({r['kv_cache']} KV)")
-        label += f" ctx={r['prompt_len']}" if several_ctx else ""
-        lines.setdefault(label, []).append((r["batch"], r["summary"]["decode_tokens_per_s"]))
+def _measured(records: tuple[CellRecord, ...]) -> list[CellRecord]:
+    return [r for r in records if r.status is CellStatus.OK and r.summary is not None]
+
+
+def _series(records: tuple[CellRecord, ...], tp: int) -> Series:
+    lines: Series = {}
+    for r in _measured(records):
+        if r.cell.tp == tp:
+            key = (r.cell.layout, r.cell.kv_cache, r.cell.prompt_len)
+            lines.setdefault(key, []).append((r.cell.batch, r.summary.decode_tokens_per_s))
     return {k: sorted(v) for k, v in lines.items()}
 
 
-def render_png(doc: dict[str, Any]) -> bytes:
+def _label(layout: Layout, kv: CacheKind, ctx: int, several_ctx: bool) -> str:
+    label = layout.value + ("" if kv is CacheKind.FULL else f" ({kv.value} KV)")
+    return label + (f" ctx={ctx}" if several_ctx else "")
+
+
+def render_png(doc: BenchDocument) -> bytes:
     """The figure as PNG bytes (the caller writes them atomically)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = doc["cells"]
-    tps = sorted({r["tp"] for r in records})
-    several_ctx = len({r["prompt_len"] for r in records}) > 1
+    records = doc.cells
+    tps = sorted({r.cell.tp for r in records})
+    several_ctx = len({r.cell.prompt_len for r in records}) > 1
     fig, axes = plt.subplots(1, len(tps) + 1, figsize=(4.5 * (len(tps) + 1), 4), squeeze=False)
     for ax, tp in zip(axes[0], tps):
-        for label, points in _series(records, tp, several_ctx).items():
-            color, marker = STYLE.get(label.split()[0], ("black", "x"))
+        for (layout, kv, ctx), points in _series(records, tp).items():
+            color, marker = STYLE[layout]
             xs, ys = zip(*points)
-            ax.plot(xs, ys, marker=marker, color=color, label=label,
-                    linestyle="--" if "latent" in label else "-")
+            ax.plot(xs, ys, marker=marker, color=color, label=_label(layout, kv, ctx, several_ctx),
+                    linestyle="--" if kv is CacheKind.LATENT else "-")
         ax.set_xscale("log", base=2)
-        batches = sorted({r["batch"] for r in records})
+        batches = sorted({r.cell.batch for r in records})
         ax.set_xticks(batches, [str(b) for b in batches])
         ax.minorticks_off()
         ax.set_title(f"TP={tp}")
@@ -48,20 +61,20 @@ def render_png(doc: dict[str, Any]) -> bytes:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     ax = axes[0][-1]
-    layouts = [l for l in ("dense", "naive", "deinfer") if any(r["layout"] == l for r in records)]
+    layouts = [l for l in Layout if any(r.cell.layout is l for r in records)]
     width = 0.8 / max(1, len(layouts))
     for i, layout in enumerate(layouts):
         elems = []
         for tp in tps:
-            vals = [r["summary"]["elements_per_token"] for r in records
-                    if r["status"] == "ok" and r["layout"] == layout and r["tp"] == tp]
+            vals = [r.summary.elements_per_token for r in _measured(records)
+                    if r.cell.layout is layout and r.cell.tp == tp]
             elems.append(vals[0] if vals else 0)
-        ax.bar([j + i * width for j in range(len(tps))], elems, width, label=layout, color=STYLE[layout][0])
+        ax.bar([j + i * width for j in range(len(tps))], elems, width, label=layout.value, color=STYLE[layout][0])
     ax.set_xticks([j + width * (len(layouts) - 1) / 2 for j in range(len(tps))], [f"TP={t}" for t in tps])
     ax.set_ylabel("elements communicated per token")
     ax.set_title("communication per token")
     ax.legend(fontsize=8)
-    fig.suptitle(f"deinfer-megatron bench: {doc['model']['name']}")
+    fig.suptitle(f"deinfer-megatron bench: {doc.model['name']}")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)

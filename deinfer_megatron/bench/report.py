@@ -9,77 +9,103 @@ baseline's, so above 1 means DeInfer is faster. Files are written atomically (te
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from deinfer_megatron.bench.records import CellRecord, CellStatus, Comparison, Speedups, Summary
+from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.specs.layout import Layout
+
 SCHEMA = "deinfer-megatron-bench/1"
+BASELINES = (Layout.NAIVE, Layout.DENSE)  # what the deinfer layout is compared with (full KV cache)
 
 
-def summarize(rec: dict[str, Any]) -> dict[str, Any]:
-    """The summary of an "ok" cell record (also stored in it as ``rec["summary"]``)."""
-    ranks = rec["ranks"]
-    samples = ranks[0]["samples"]
-    med = lambda key: statistics.median(s[key] for s in samples)  # noqa: E731
+def summarize(rec: CellRecord) -> CellRecord:
+    """A measured cell with its ``summary``."""
+    assert rec.status is CellStatus.OK and rec.plan is not None, "summarise a measured cell"
+    ranks, plan = rec.ranks, rec.plan
+    samples = ranks[0].samples
+    med = lambda key: statistics.median(getattr(s, key) for s in samples)  # noqa: E731
     tpot = med("tpot_s")
-    comm = [r["decode_step_comm"] for r in ranks]
-    plan = rec["plan"]
-    measured = (comm[0]["collectives"], comm[0]["elements"])
-    rec["summary"] = {
-        "ttft_s": med("ttft_s"),
-        "prefill_s": med("prefill_s"),
-        "tpot_s": tpot,
-        "tpot_min_s": min(s["tpot_s"] for s in samples),
-        "tpot_max_s": max(s["tpot_s"] for s in samples),
-        "decode_tokens_per_s": rec["batch"] / tpot,
-        "output_tokens_per_s": statistics.median(s["new_tokens"] / (s["ttft_s"] + s["decode_s"]) for s in samples),
-        "peak_rss_bytes": [r["peak_rss_bytes"] for r in ranks],
-        "peak_rss_generate_bytes": [r["peak_rss_generate_bytes"] for r in ranks],
-        "peak_rss_max_bytes": max(r["peak_rss_bytes"] for r in ranks),
-        "kv_cache_bytes": max(r["kv_cache_bytes"] for r in ranks),
-        "kv_cache_bytes_per_rank": [r["kv_cache_bytes"] for r in ranks],
-        "kv_bytes_per_token": max(r["kv_bytes_per_token"] for r in ranks),
-        "collectives_per_token": measured[0],
-        "elements_per_token": measured[1],
-        "collectives_by_kind": comm[0]["by_kind"],
-        "plan_collectives_per_token": plan["collectives_per_token"],
-        "plan_elements_per_token": plan["elements_per_token"],
-        "plan_match": all((c["collectives"], c["elements"]) == measured for c in comm)
-        and measured == (plan["collectives_per_token"], plan["elements_per_token"]),
-        "load_s": max(r["load_s"] for r in ranks),
-    }
-    return rec["summary"]
+    comm = [r.decode_step_comm for r in ranks]
+    measured = (comm[0].collectives, comm[0].elements)
+    summary = Summary(
+        ttft_s=med("ttft_s"),
+        prefill_s=med("prefill_s"),
+        tpot_s=tpot,
+        tpot_min_s=min(s.tpot_s for s in samples),
+        tpot_max_s=max(s.tpot_s for s in samples),
+        decode_tokens_per_s=rec.cell.batch / tpot,
+        output_tokens_per_s=statistics.median(s.new_tokens / (s.ttft_s + s.decode_s) for s in samples),
+        peak_rss_bytes=tuple(r.peak_rss_bytes for r in ranks),
+        peak_rss_generate_bytes=tuple(r.peak_rss_generate_bytes for r in ranks),
+        peak_rss_max_bytes=max(r.peak_rss_bytes for r in ranks),
+        kv_cache_bytes=max(r.kv_cache_bytes for r in ranks),
+        kv_cache_bytes_per_rank=tuple(r.kv_cache_bytes for r in ranks),
+        kv_bytes_per_token=max(r.kv_bytes_per_token for r in ranks),
+        collectives_per_token=measured[0],
+        elements_per_token=measured[1],
+        collectives_by_kind=dict(comm[0].by_kind),
+        plan_collectives_per_token=plan.collectives_per_token,
+        plan_elements_per_token=plan.elements_per_token,
+        plan_match=all((c.collectives, c.elements) == measured for c in comm)
+        and measured == (plan.collectives_per_token, plan.elements_per_token),
+        load_s=max(r.load_s for r in ranks),
+    )
+    return replace(rec, summary=summary)
 
 
-def comparisons(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """DeInfer's decode speed-up over naive and dense, per (TP, batch, prompt length, KV cache)."""
-    ok = {(r["layout"], r["kv_cache"], r["tp"], r["batch"], r["prompt_len"]): r
-          for r in records if r["status"] == "ok"}
-    out = []
+def compare(records: list[CellRecord]) -> tuple[list[CellRecord], list[Comparison]]:
+    """DeInfer's decode speed-up over naive and dense, per (TP, batch, prompt length, KV cache):
+    the records with the speed-ups in the deinfer cells' summaries, and the comparison rows."""
+    ok = {(r.cell.layout, r.cell.kv_cache, r.cell.tp, r.cell.batch, r.cell.prompt_len): r
+          for r in records if r.status is CellStatus.OK}
+    compared: dict[int, CellRecord] = {}
+    rows = []
     for (layout, kv, tp, batch, ctx), rec in ok.items():
-        if layout != "deinfer":
+        if layout is not Layout.DEINFER:
             continue
-        tps = rec["summary"]["decode_tokens_per_s"]
-        row = {"tp": tp, "batch": batch, "prompt_len": ctx, "kv_cache": kv, "deinfer_tokens_per_s": tps}
-        for base in ("naive", "dense"):
-            other = ok.get((base, "full", tp, batch, ctx))
-            speedup = tps / other["summary"]["decode_tokens_per_s"] if other else None
-            row[f"speedup_vs_{base}"] = speedup
-            rec["summary"][f"speedup_vs_{base}"] = speedup
-        out.append(row)
-    return out
+        assert rec.summary is not None, "compare summarised cells"
+        tps = rec.summary.decode_tokens_per_s
+        ratio = {}
+        for base in BASELINES:
+            other = ok.get((base, CacheKind.FULL, tp, batch, ctx))
+            ratio[base] = tps / other.summary.decode_tokens_per_s if other is not None else None
+        speedups = Speedups(vs_naive=ratio[Layout.NAIVE], vs_dense=ratio[Layout.DENSE])
+        compared[id(rec)] = replace(rec, summary=replace(rec.summary, speedups=speedups))
+        rows.append(Comparison(tp, batch, ctx, kv, tps, speedups))
+    return [compared.get(id(r), r) for r in records], rows
 
 
-def document(cfg: Any, source: Any, records: list[dict[str, Any]], machine: dict[str, Any] | None,
-             host: dict[str, Any]) -> dict[str, Any]:
-    """The whole JSON document (``--json``)."""
-    args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()}
-    counts = {s: sum(r["status"] == s for r in records) for s in ("ok", "skipped", "error")}
-    return {"schema": SCHEMA, "host": host, "args": args, "model": source.describe(), "counts": counts,
-            "cells": records, "comparisons": comparisons(records), "roofline": machine}
+@dataclass(frozen=True)
+class BenchDocument:
+    """The whole report (``--json``, ``--markdown``, ``--plot``)."""
+
+    host: dict[str, Any]
+    args: dict[str, Any]  # the options, as given
+    model: dict[str, Any]  # ModelSource.describe()
+    cells: tuple[CellRecord, ...]
+    comparisons: tuple[Comparison, ...]
+    roofline: dict[str, Any] | None  # this machine's rates (roofline.measure_machine), when measured
+
+    def counts(self) -> dict[str, int]:
+        return {s.value: sum(r.status is s for r in self.cells) for s in CellStatus}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "host": self.host, "args": self.args, "model": self.model,
+                "counts": self.counts(), "cells": [r.to_json() for r in self.cells],
+                "comparisons": [c.to_json() for c in self.comparisons], "roofline": self.roofline}
+
+
+def document(cfg: Any, source: Any, records: list[CellRecord], machine: dict[str, Any] | None,
+             host: dict[str, Any]) -> BenchDocument:
+    """The report of a finished matrix (summarised records; speed-ups are computed here)."""
+    cells, rows = compare(records)
+    return BenchDocument(host, cfg.to_json(), source.describe(), tuple(cells), tuple(rows), machine)
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -107,22 +133,22 @@ _COLUMNS = ("layout", "kv", "tp", "batch", "ctx", "TTFT ms", "TPOT ms", "decode 
             "peak RSS MB", "KV MB", "coll/tok", "elem/tok", "plan", "vs naive", "vs dense", "bound ms")
 
 
-def _row(rec: dict[str, Any]) -> list[str]:
-    head = [rec["layout"], rec["kv_cache"], str(rec["tp"]), str(rec["batch"]), str(rec["prompt_len"])]
-    if rec["status"] != "ok":
-        note = rec.get("reason") or rec.get("error", "")
-        return head + [f"{rec['status']}: {note}"]
-    s = rec["summary"]
-    bound = rec.get("roofline")
+def _row(rec: CellRecord) -> list[str]:
+    c = rec.cell
+    head = [c.layout.value, c.kv_cache.value, str(c.tp), str(c.batch), str(c.prompt_len)]
+    if rec.status is not CellStatus.OK or rec.summary is None:
+        note = rec.reason or rec.error or ""
+        return head + [f"{rec.status.value}: {note}"]
+    s, bound = rec.summary, rec.roofline
+    speedups = s.speedups or Speedups(None, None)
     return head + [
-        f"{s['ttft_s'] * 1e3:.1f}", f"{s['tpot_s'] * 1e3:.2f}", f"{s['decode_tokens_per_s']:.1f}",
-        f"{s['output_tokens_per_s']:.1f}", _mb(s["peak_rss_max_bytes"]), _mb(s["kv_cache_bytes"]),
-        str(s["collectives_per_token"]), str(s["elements_per_token"]), "ok" if s["plan_match"] else "DIFFERS",
-        _x(s.get("speedup_vs_naive")), _x(s.get("speedup_vs_dense")),
-        "-" if bound is None else f"{bound['bound_s'] * 1e3:.2f}"]
+        f"{s.ttft_s * 1e3:.1f}", f"{s.tpot_s * 1e3:.2f}", f"{s.decode_tokens_per_s:.1f}",
+        f"{s.output_tokens_per_s:.1f}", _mb(s.peak_rss_max_bytes), _mb(s.kv_cache_bytes),
+        str(s.collectives_per_token), str(s.elements_per_token), "ok" if s.plan_match else "DIFFERS",
+        _x(speedups.vs_naive), _x(speedups.vs_dense), "-" if bound is None else f"{bound.bound_s * 1e3:.2f}"]
 
 
-def text_table(records: list[dict[str, Any]]) -> str:
+def text_table(records: list[CellRecord] | tuple[CellRecord, ...]) -> str:
     """The compact table printed to stdout; a skipped or failed cell's reason runs past its row."""
     rows = [list(_COLUMNS)] + [_row(r) for r in records]
     widths = [max(len(r[i]) for r in rows if len(r) == len(_COLUMNS)) for i in range(len(_COLUMNS))]
@@ -135,41 +161,41 @@ def text_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def roofline_lines(records: list[dict[str, Any]]) -> list[str]:
+def roofline_lines(records: list[CellRecord] | tuple[CellRecord, ...]) -> list[str]:
     out = []
     for r in records:
-        b = r.get("roofline")
-        if b:
-            out.append(f"{r['layout']}/{r['kv_cache']} tp={r['tp']} b={r['batch']} ctx={r['prompt_len']}: "
-                       f"bound {b['bound_s'] * 1e3:.2f} ms (memory {b['memory_s'] * 1e3:.2f} + "
-                       f"{b['collectives']} collectives {b['comm_s'] * 1e3:.2f}; compute {b['compute_s'] * 1e3:.2f}, "
-                       f"with compute {b['bound_with_compute_s'] * 1e3:.2f}) "
-                       f"vs measured {b['measured_s'] * 1e3:.2f} ms = {b['measured_over_bound']:.2f}x")
+        b = r.roofline
+        if b is not None:
+            out.append(f"{r.cell.label()}: "
+                       f"bound {b.bound_s * 1e3:.2f} ms (memory {b.memory_s * 1e3:.2f} + "
+                       f"{b.collectives} collectives {b.comm_s * 1e3:.2f}; compute {b.compute_s * 1e3:.2f}, "
+                       f"with compute {b.bound_with_compute_s * 1e3:.2f}) "
+                       f"vs measured {b.measured_s * 1e3:.2f} ms = {b.measured_over_bound:.2f}x")
     return out
 
 
-def markdown(doc: dict[str, Any]) -> str:
+def markdown(doc: BenchDocument) -> str:
     """The Markdown report (``--markdown``)."""
-    m, host, args = doc["model"], doc["host"], doc["args"]
+    m, host, args = doc.model, doc.host, doc.args
     lines = [f"# deinfer-megatron bench: {m['name']}", "",
              f"{m['layers']} layers, hidden {m['hidden']}, {m['heads']}/{m['kv_heads']} heads; "
              f"{args['gen_len']} new tokens after one warm-up run, median of {args['repeats']} repeats. "
              f"Host: {host['cpus']} CPUs, load {host['load_avg_start']} at start, "
              f"{host['load_avg_end']} at end; torch {host['torch']}, {host['threads_per_rank']} thread(s) per rank.",
              "", "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
-    for r in doc["cells"]:
+    for r in doc.cells:
         cells = _row(r) + [""] * (len(_COLUMNS) - len(_row(r)))
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    if doc["comparisons"]:
+    if doc.comparisons:
         lines += ["", "## DeInfer decode speed-up (deinfer tokens/s ÷ baseline tokens/s)", "",
                   "| tp | batch | ctx | kv | deinfer tok/s | vs naive | vs dense |", "|---|---|---|---|---|---|---|"]
-        lines += [f"| {c['tp']} | {c['batch']} | {c['prompt_len']} | {c['kv_cache']} | "
-                  f"{c['deinfer_tokens_per_s']:.1f} | {_x(c['speedup_vs_naive'])} | {_x(c['speedup_vs_dense'])} |"
-                  for c in doc["comparisons"]]
-    machine = doc["roofline"]
+        lines += [f"| {c.tp} | {c.batch} | {c.prompt_len} | {c.kv_cache.value} | "
+                  f"{c.deinfer_tokens_per_s:.1f} | {_x(c.speedups.vs_naive)} | {_x(c.speedups.vs_dense)} |"
+                  for c in doc.comparisons]
+    machine = doc.roofline
     if machine:
         gemm = ", ".join(f"{g['m']}×{g['k']}×{g['n']}: {g['gflops']:.1f}" for g in machine["gemm"])
         lines += ["", "## Roofline", "", f"Copy bandwidth {machine['copy_gbps']:.2f} GB/s (read + write); "
                   f"GEMM GFLOP/s (1 thread) {gemm}.", ""]
-        lines += [f"- {line}" for line in roofline_lines(doc["cells"])]
+        lines += [f"- {line}" for line in roofline_lines(doc.cells)]
     return "\n".join(lines) + "\n"

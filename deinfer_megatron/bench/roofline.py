@@ -27,6 +27,9 @@ from typing import Any
 
 import torch
 
+from deinfer_megatron.bench.records import CellRecord, StepBound
+from deinfer_megatron.parallel import comm
+
 COMM_SIZES = tuple(4**k for k in range(11))  # 1 .. 1,048,576 elements
 
 
@@ -66,8 +69,6 @@ def gemm_gflops(m: int, k: int, n: int, iters: int) -> float:
 
 def _collective_s(kind: str, elements: int, tp: Any, iters: int) -> float:
     """Seconds per collective through the project's own named operations (``parallel.comm``)."""
-    from deinfer_megatron.parallel import comm
-
     if kind == "all_reduce":
         x = torch.ones(1, elements)
         op = lambda: comm.all_reduce_sum(x, tp, site="roofline", layer=0)  # noqa: E731
@@ -88,8 +89,6 @@ def _collective_s(kind: str, elements: int, tp: Any, iters: int) -> float:
 
 def machine_worker(sizes: RooflineSizes) -> dict[str, Any] | None:
     """Runs on each of 2 ranks; rank 0 returns the measurements."""
-    import torch.distributed as dist
-
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
     from deinfer_megatron.parallel.topology import TPView
 
@@ -139,25 +138,26 @@ def latency_s(curve: dict[str, float], elements: int) -> float:
     return t * elements / n
 
 
-def step_bound(rec: dict[str, Any], arch: Any, machine: dict[str, Any], dtype_bytes: int = 4) -> dict[str, Any]:
-    """The lower bound of one decode step of an "ok" cell record (with its ``plan``)."""
-    plan, batch, tp = rec["plan"], rec["batch"], rec["tp"]
+def step_bound(rec: CellRecord, arch: Any, machine: dict[str, Any], dtype_bytes: int = 4) -> StepBound:
+    """The lower bound of one decode step of a measured (and summarised) cell."""
+    assert rec.plan is not None and rec.summary is not None, "bound a measured, summarised cell"
+    plan, batch, tp = rec.plan, rec.cell.batch, rec.cell.tp
     h = arch.hidden_size
     vocab_rows = -(-arch.vocab_size // tp)
-    read_params = plan["params_per_rank"] - (0 if arch.tied_embeddings else vocab_rows * h)
+    read_params = plan.params_per_rank - (0 if arch.tied_embeddings else vocab_rows * h)
     weight_bytes = read_params * dtype_bytes
-    mean_len = rec["prompt_len"] + rec["gen_len"] / 2  # decode steps attend to prompt+1 .. prompt+gen-1
-    kv_bytes = int(plan["kv_bytes_per_token"] * batch * mean_len)
+    mean_len = rec.cell.prompt_len + rec.gen_len / 2  # decode steps attend to prompt+1 .. prompt+gen-1
+    kv_bytes = int(plan.kv_bytes_per_token * batch * mean_len)
     memory_s = (weight_bytes + kv_bytes) / (machine["copy_gbps"] * 1e9)
-    ops = [tuple(op) for op in plan["collective_ops"]]
+    ops = list(plan.collective_ops)
     if tp > 1:
         ops += [("all_reduce", h), ("all_gather", vocab_rows * tp)]
     comm_s = sum(latency_s(machine["comm_latency_s"][kind], n * batch) for kind, n in ops)
     rates = [g["gflops"] for g in machine["gemm"] if g["m"] == batch] or [max(g["gflops"] for g in machine["gemm"])]
     compute_s = 2 * read_params * batch / (max(rates) * 1e9)
     bound = memory_s + comm_s
-    measured = rec["summary"]["tpot_s"]
-    return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "memory_s": memory_s,
-            "collectives": len(ops), "comm_s": comm_s, "compute_s": compute_s, "bound_s": bound,
-            "bound_with_compute_s": max(memory_s, compute_s) + comm_s,
-            "measured_s": measured, "measured_over_bound": measured / bound if bound > 0 else None}
+    measured = rec.summary.tpot_s
+    return StepBound(weight_bytes=weight_bytes, kv_bytes=kv_bytes, memory_s=memory_s, collectives=len(ops),
+                     comm_s=comm_s, compute_s=compute_s, bound_s=bound,
+                     bound_with_compute_s=max(memory_s, compute_s) + comm_s,
+                     measured_s=measured, measured_over_bound=measured / bound if bound > 0 else None)

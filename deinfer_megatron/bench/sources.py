@@ -20,6 +20,9 @@ from pathlib import Path
 import torch
 
 from deinfer_megatron.arch.model import ModelArch
+from deinfer_megatron.generation.options import latent_cache_layouts
+from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.specs.layout import Layout
 from deinfer_megatron.specs.rank_config import RankConfig
 
 
@@ -33,22 +36,23 @@ class ModelSource:
     decomposed_dir: Path | None
     dense_dir: Path  # what the dense layout loads (a decomposed folder is multiplied out)
 
-    def folder_for(self, layout: str) -> Path:
-        if layout == "dense":
+    def folder_for(self, layout: Layout) -> Path:
+        if layout is Layout.DENSE:
             return self.dense_dir
         assert self.decomposed_dir is not None, "skip_reason() rules out factored layouts without factors"
         return self.decomposed_dir
 
-    def skip_reason(self, layout: str, kv_cache: str) -> str | None:
+    def skip_reason(self, layout: Layout, kv_cache: CacheKind) -> str | None:
         """Why a (layout, KV cache) pair does not apply to this model; None when it does."""
-        if layout != "dense" and self.decomposed_dir is None:
-            return (f"{self.name} is a dense folder; the {layout} layout needs a decomposed one "
+        if layout is not Layout.DENSE and self.decomposed_dir is None:
+            return (f"{self.name} is a dense folder; the {layout.value} layout needs a decomposed one "
                     "(make it with `deinfer-megatron decompose`)")
-        if kv_cache == "latent" and layout != "deinfer":
-            return "the latent KV cache applies to the deinfer layout only"
+        if kv_cache is CacheKind.LATENT and not layout.supports_latent_cache:
+            return f"the latent KV cache applies to the {latent_cache_layouts()} layout only"
         return None
 
     def describe(self) -> dict:
+        """The document's ``model``: its shape, and whether (and how much of) it is decomposed."""
         a = self.arch
         return {"name": self.name, "family": a.family, "layers": a.num_layers, "hidden": a.hidden_size,
                 "intermediate": a.ffn_hidden_size, "heads": a.num_heads, "kv_heads": a.num_kv_heads,

@@ -13,10 +13,17 @@ import platform
 import sys
 import tempfile
 import time
+from dataclasses import replace
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
-from deinfer_megatron.bench.matrix import BenchConfig
+from deinfer_megatron.bench.matrix import BenchConfig, BenchGrid, BenchOutputs
+from deinfer_megatron.generation.options import latent_cache_layouts
+from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.specs.layout import Layout
+
+E = TypeVar("E", bound=Enum)
 
 DEFAULT_RATIO = 0.6
 
@@ -34,14 +41,28 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
 
 
+def _members(flag: str, values: tuple[str, ...], parse: Callable[[str], E], enum: type[E]) -> tuple[E, ...]:
+    """Comma-list names as enum members: ``parse`` decides what is known (its own message is
+    replaced by one naming the flag, as the list may hold several values)."""
+    out = []
+    for v in values:
+        try:
+            out.append(parse(v))
+        except ValueError:
+            raise ValueError(f"{flag}: unknown value {v!r}; choose from {','.join(m.value for m in enum)}") from None
+    return tuple(out)
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="time dense / naive / DeInfer over layouts, TP, batch and context")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", type=Path, help="model folder (dense: dense layout only; or decomposed)")
     src.add_argument("--synthetic", help="random LLaMA-shaped model: llama-tiny, llama-1b-shape, llama-7b-shape")
     p.add_argument("--ratio", type=float, help=f"--synthetic: parameters kept, uniform ranks (default {DEFAULT_RATIO})")
-    p.add_argument("--layouts", type=_names, default=("dense", "naive", "deinfer"), help="default dense,naive,deinfer")
-    p.add_argument("--kv-cache", type=_names, default=("full",), help="full,latent (latent: deinfer only)")
+    p.add_argument("--layouts", type=_names, default=tuple(m.value for m in Layout),
+                   help=f"default {','.join(m.value for m in Layout)}")
+    p.add_argument("--kv-cache", type=_names, default=(CacheKind.FULL.value,),
+                   help=f"full,latent (latent: {latent_cache_layouts()} only)")
     p.add_argument("--tp", type=_ints("--tp"), default=(1, 2), help="default 1,2")
     p.add_argument("--batch", type=_ints("--batch"), default=(1, 8, 32), help="default 1,8,32")
     p.add_argument("--prompt-len", type=_ints("--prompt-len"), default=(128,), help="default 128")
@@ -61,15 +82,18 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
     if a.ratio is not None and a.model is not None:
         raise ValueError("--ratio applies to --synthetic; decompose the folder with "
                          "`deinfer-megatron decompose --ratio R` and bench the decomposed folder")
-    return BenchConfig(
+    grid = BenchGrid(
         model=a.model, synthetic=a.synthetic, ratio=DEFAULT_RATIO if a.ratio is None else a.ratio,
-        layouts=a.layouts, kv_caches=a.kv_cache, tps=a.tp, batches=a.batch, prompt_lens=a.prompt_len,
-        gen_len=a.gen_len, repeats=a.repeats, seed=a.seed, json=a.json, markdown=a.markdown, plot=a.plot,
-        roofline=a.roofline, cell_timeout_s=a.cell_timeout, progress=not a.no_progress)
+        layouts=_members("--layouts", a.layouts, Layout.parse, Layout),
+        kv_caches=_members("--kv-cache", a.kv_cache, CacheKind.parse, CacheKind),
+        tps=a.tp, batches=a.batch, prompt_lens=a.prompt_len, gen_len=a.gen_len, repeats=a.repeats,
+        seed=a.seed, roofline=a.roofline, cell_timeout_s=a.cell_timeout)
+    outputs = BenchOutputs(json=a.json, markdown=a.markdown, plot=a.plot, progress=not a.no_progress)
+    return BenchConfig(grid, outputs)
 
 
-def _check_outputs(cfg: BenchConfig) -> None:
-    for flag, path in (("--json", cfg.json), ("--markdown", cfg.markdown), ("--plot", cfg.plot)):
+def _check_outputs(outputs: BenchOutputs) -> None:
+    for flag, path in (("--json", outputs.json), ("--markdown", outputs.markdown), ("--plot", outputs.plot)):
         if path is not None and not path.resolve().parent.is_dir():
             raise ValueError(f"{flag} {path}: directory {path.resolve().parent} does not exist; create it first")
 
@@ -84,55 +108,55 @@ def _host(start_load: tuple[float, ...], started: str) -> dict[str, Any]:
             "started": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
-def _source(cfg: BenchConfig, workdir: Path) -> Any:
+def _source(grid: BenchGrid, workdir: Path) -> Any:
     from deinfer_megatron.bench.sources import folder_source, synthetic_source
     from deinfer_megatron.models.build import check_parallel_sizes
     from deinfer_megatron.models.synthetic import synthetic_arch
 
-    if cfg.synthetic is None:
-        return folder_source(cfg.model)
-    for tp in cfg.tps:  # before drawing a model that may take a while to write
-        check_parallel_sizes(synthetic_arch(cfg.synthetic), tp, 1)
-    print(f"drawing {cfg.synthetic} (ratio {cfg.ratio:g}) into {workdir} ...", file=sys.stderr)
-    return synthetic_source(cfg.synthetic, cfg.ratio, cfg.seed, workdir)
+    if grid.synthetic is None:
+        return folder_source(grid.model)
+    for tp in grid.tps:  # before drawing a model that may take a while to write
+        check_parallel_sizes(synthetic_arch(grid.synthetic), tp, 1)
+    print(f"drawing {grid.synthetic} (ratio {grid.ratio:g}) into {workdir} ...", file=sys.stderr)
+    return synthetic_source(grid.synthetic, grid.ratio, grid.seed, workdir)
 
 
 def main(cfg: BenchConfig) -> int:
     from deinfer_megatron.bench import matrix, report, roofline
+    from deinfer_megatron.bench.records import CellStatus
 
+    grid, outputs = cfg.grid, cfg.outputs
     matrix.check_config(cfg)
-    _check_outputs(cfg)
+    _check_outputs(outputs)
     start_load, started = os.getloadavg(), time.strftime("%Y-%m-%dT%H:%M:%S")
     with tempfile.TemporaryDirectory(prefix="deinfer-bench-") as work:
-        source = _source(cfg, Path(work))
-        matrix.check_sizes(cfg, source)
-        matrix.require_runnable(cfg, source)
+        source = _source(grid, Path(work))
+        matrix.check_sizes(grid, source)
+        matrix.require_runnable(grid, source)
         machine = None
-        if cfg.roofline:
+        if grid.roofline:
             print("measuring copy bandwidth, GEMM rate and collective latency ...", file=sys.stderr)
-            machine = roofline.measure_machine(roofline.sizes_for(source.arch, cfg.batches))
-        records = matrix.run_matrix(cfg, source)
-    for rec in records:
-        if rec["status"] == "ok":
-            report.summarize(rec)
-            if machine is not None:
-                rec["roofline"] = roofline.step_bound(rec, source.arch, machine)
+            machine = roofline.measure_machine(roofline.sizes_for(source.arch, grid.batches))
+        records = matrix.run_matrix(grid, source, progress=outputs.progress)
+    records = [report.summarize(r) if r.status is CellStatus.OK else r for r in records]
+    if machine is not None:
+        records = [replace(r, roofline=roofline.step_bound(r, source.arch, machine)) if r.status is CellStatus.OK
+                   else r for r in records]
     doc = report.document(cfg, source, records, machine, _host(start_load, started))
-    if cfg.json is not None:
+    if outputs.json is not None:
         import json
 
-        report.write_atomic(cfg.json, json.dumps(doc, indent=1))
-    if cfg.markdown is not None:
-        report.write_atomic(cfg.markdown, report.markdown(doc))
-    if cfg.plot is not None:
+        report.write_atomic(outputs.json, json.dumps(doc.to_json(), indent=1))
+    if outputs.markdown is not None:
+        report.write_atomic(outputs.markdown, report.markdown(doc))
+    if outputs.plot is not None:
         from deinfer_megatron.bench.plot import render_png
 
-        report.write_atomic(cfg.plot, render_png(doc))
-    print(report.text_table(records))
-    for line in report.roofline_lines(records):
+        report.write_atomic(outputs.plot, render_png(doc))
+    print(report.text_table(doc.cells))
+    for line in report.roofline_lines(doc.cells):
         print(line)
-    failed = [r for r in records if r["status"] == "error"]
+    failed = [r for r in doc.cells if r.status is CellStatus.ERROR]
     for r in failed:
-        print(f"failed: {r['layout']}/{r['kv_cache']} tp={r['tp']} b={r['batch']} ctx={r['prompt_len']}: "
-              f"{r['error']}", file=sys.stderr)
+        print(f"failed: {r.cell.label()}: {r.error}", file=sys.stderr)
     return 1 if failed else 0

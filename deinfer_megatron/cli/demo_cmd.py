@@ -7,7 +7,7 @@ layout with the latent KV cache, printing the dense model's answer beside each.
 ``--layouts``: the three layouts side by side on a small random LLaMA-shaped model
 (``llama-tiny``, a mixed model): the plan, the collectives each layout really issued, and the
 parity of its logits with a single-process Hugging Face model whose weights are the factors
-multiplied out.
+multiplied out. With ``--json`` each layout's comparison is one JSON document (one a line).
 """
 
 from __future__ import annotations
@@ -18,7 +18,11 @@ from typing import Any
 
 import torch
 
+from deinfer_megatron.cli.output import emit_json
+from deinfer_megatron.generation.options import CacheOptions, Parallelism
 from deinfer_megatron.launch.local import spawn_local
+from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.specs.layout import Layout
 
 DEMO_MODEL = "llama-tiny"
 DEMO_RATIO = 0.6
@@ -33,6 +37,7 @@ class DemoConfig:
     seed: int = 0
     layouts: bool = False
     max_new_tokens: int = 40
+    json: bool = False  # --layouts: one JSON document per layout on stdout, instead of the tables
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,8 +46,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: 3, or 2 with --layouts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=40)
-    p.set_defaults(make_config=lambda a: DemoConfig(
-        a.tp or (2 if a.layouts else 3), a.seed, a.layouts, a.max_new_tokens), run=main)
+    p.add_argument("--json", action="store_true", help="with --layouts: one JSON document per layout")
+    p.set_defaults(make_config=config_from_args, run=main)
+
+
+def config_from_args(a: argparse.Namespace) -> DemoConfig:
+    if a.json and not a.layouts:
+        raise ValueError("--json applies to --layouts; the SmolLM2 demo prints its answers as text")
+    return DemoConfig(a.tp or (2 if a.layouts else 3), a.seed, a.layouts, a.max_new_tokens, a.json)
 
 
 def _setup(seed: int) -> tuple[Any, Any, dict, torch.Tensor]:
@@ -63,7 +74,6 @@ def _rank(tp: int, seed: int) -> dict[str, Any]:
     from deinfer_megatron.parallel import comm
     from deinfer_megatron.models.pipeline import stage_forward
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
-    from deinfer_megatron.specs.layout import Layout
 
     groups = init_parallel(tp, 1)
     arch, rank_config, state, ids = _setup(seed)
@@ -114,10 +124,11 @@ def smollm2_demo(cfg: DemoConfig) -> int:
         run_decompose(DecomposeJob(dense, "svd-llm", ratio=0.8, allocation="variadic",
                                    calib_self=16, calib_seq_len=256, out=decomposed, seed=cfg.seed,
                                    overwrite=True))  # the project's own cache: an older run may be replaced
-    common = dict(prompts=DEMO_PROMPTS, max_new_tokens=cfg.max_new_tokens, tp=cfg.tp, chat=True)
+    common = dict(prompts=DEMO_PROMPTS, max_new_tokens=cfg.max_new_tokens, chat=True)
     print(f"generating at TP={cfg.tp}: DeInfer layout + latent KV cache, and the dense model...")
-    ours = run_generate(GenerateJob(model=decomposed, layout="deinfer", kv_cache="latent", **common))
-    base = run_generate(GenerateJob(model=dense, layout="dense", **common))
+    ours = run_generate(GenerateJob(model=decomposed, parallel=Parallelism(cfg.tp, layout=Layout.DEINFER),
+                                    cache=CacheOptions(CacheKind.LATENT), **common))
+    base = run_generate(GenerateJob(model=dense, parallel=Parallelism(cfg.tp, layout=Layout.DENSE), **common))
     for mine, theirs in zip(ours["outputs"], base["outputs"]):
         print(f"\n### {mine['prompt']}")
         print(f"[decomposed, ratio 0.8, DeInfer, latent cache] {mine['text'].strip()}")
@@ -137,30 +148,69 @@ def main(cfg: DemoConfig) -> int:
     return layouts_demo(cfg) if cfg.layouts else smollm2_demo(cfg)
 
 
+@dataclass(frozen=True)
+class LayoutParity:
+    """One layout's forward against the single-process reference: what the plan says it
+    communicates, what it really issued, and how far its logits are from the reference."""
+
+    layout: Layout
+    tp: int
+    plan_collectives: int  # per token, from the planner
+    plan_elements_per_token: int
+    collectives: int  # really issued in one forward (the comm ledger)
+    elements_per_token: int
+    max_abs_dlogit: float
+    greedy_equal: bool
+    tolerance: float  # 1e-4 × the reference's logit scale (at least 1)
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs_dlogit <= self.tolerance and self.greedy_equal
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layout": self.layout.value, "tp": self.tp,
+                "plan": {"collectives_per_token": self.plan_collectives,
+                         "elements_per_token": self.plan_elements_per_token},
+                "issued": {"collectives": self.collectives, "elements_per_token": self.elements_per_token},
+                "max_abs_dlogit": self.max_abs_dlogit, "greedy_equal": self.greedy_equal,
+                "tolerance": self.tolerance, "parity": self.ok}
+
+
+def parity_table(rows: list[LayoutParity], scale: float) -> str:
+    """The text the demo prints: measured beside planned collectives, and the parity verdict."""
+    lines = [f"{'layout':<8} {'collectives':>11} {'plan':>5} {'elem/token':>10} {'plan':>6} "
+             f"{'max|dlogit|':>12} {'greedy equal':>12}"]
+    lines += [f"{r.layout.value:<8} {r.collectives:>11} {r.plan_collectives:>5} {r.elements_per_token:>10} "
+              f"{r.plan_elements_per_token:>6} {r.max_abs_dlogit:>12.2e} {str(r.greedy_equal):>12}" for r in rows]
+    verdict = "OK" if all(r.ok for r in rows) else "FAILED"
+    return "\n".join(lines) + f"\n\nparity {verdict} (tolerance 1e-4 × logit scale {scale:.2f})"
+
+
 def layouts_demo(cfg: DemoConfig) -> int:
     from deinfer_megatron.planning.plan import make_plan
     from deinfer_megatron.planning.report import format_plans
 
     arch, rank_config, state, ids = _setup(cfg.seed)
-    plans = [make_plan(arch, rank_config, layout, tp=cfg.tp) for layout in ("dense", "naive", "deinfer")]
-    print(f"== {DEMO_MODEL}: {arch.num_layers} layers, hidden {arch.hidden_size}, "
-          f"ratio {DEMO_RATIO} in layers 0..{arch.num_layers - 2}, TP={cfg.tp}\n")
-    print(format_plans(plans))
+    plans = {layout: make_plan(arch, rank_config, layout, tp=cfg.tp) for layout in Layout}
+    if not cfg.json:
+        print(f"== {DEMO_MODEL}: {arch.num_layers} layers, hidden {arch.hidden_size}, "
+              f"ratio {DEMO_RATIO} in layers 0..{arch.num_layers - 2}, TP={cfg.tp}\n")
+        print(format_plans(list(plans.values())))
     results = spawn_local(cfg.tp, _rank, cfg.tp, cfg.seed)[0]
     ref = _reference_logits(arch, rank_config, state, ids)
     scale = ref.abs().max().item()
-    print(f"\n== one forward of {ids.shape[0]}x{ids.shape[1]} tokens on {cfg.tp} ranks "
-          "vs the multiplied-out Hugging Face model (single process)")
-    print(f"{'layout':<8} {'collectives':>11} {'plan':>5} {'elem/token':>10} {'plan':>6} "
-          f"{'max|dlogit|':>12} {'greedy equal':>12}")
-    ok = True
-    for plan in plans:
-        r = results[plan.layout]
-        diff = (r["logits"] - ref).abs().max().item()
-        same = bool((r["logits"].argmax(-1) == ref.argmax(-1)).all())
-        ok &= diff <= 1e-4 * max(scale, 1.0) and same
-        print(f"{plan.layout:<8} {r['collectives']:>11} {plan.totals['collectives_per_token']:>5} "
-              f"{r['elements_per_token']:>10} {plan.totals['elements_per_token']:>6} "
-              f"{diff:>12.2e} {str(same):>12}")
-    print("\nparity " + ("OK" if ok else "FAILED") + f" (tolerance 1e-4 × logit scale {scale:.2f})")
-    return 0 if ok else 1
+    rows = []
+    for layout, plan in plans.items():
+        r = results[layout.value]
+        rows.append(LayoutParity(
+            layout, cfg.tp, plan.totals["collectives_per_token"], plan.totals["elements_per_token"],
+            r["collectives"], r["elements_per_token"], (r["logits"] - ref).abs().max().item(),
+            bool((r["logits"].argmax(-1) == ref.argmax(-1)).all()), 1e-4 * max(scale, 1.0)))
+    if cfg.json:
+        for row in rows:
+            emit_json(row.to_json())
+    else:
+        print(f"\n== one forward of {ids.shape[0]}x{ids.shape[1]} tokens on {cfg.tp} ranks "
+              "vs the multiplied-out Hugging Face model (single process)")
+        print(parity_table(rows, scale))
+    return 0 if all(r.ok for r in rows) else 1

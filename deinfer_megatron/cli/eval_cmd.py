@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
+from deinfer_megatron.cli.arguments import names, parsed_by
 from deinfer_megatron.cli.output import emit_json
 from deinfer_megatron.evaluation.perplexity import PerplexityJob, evaluate
 from deinfer_megatron.specs.layout import Layout
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What ``eval-ppl`` was asked for: the job, and whether stdout is one JSON document."""
+
+    job: PerplexityJob
+    json: bool = False
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -18,22 +28,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--layout", choices=[m.value for m in Layout], default="deinfer")
+    p.add_argument("--layout", type=parsed_by(Layout.parse), choices=names(Layout), default=Layout.DEINFER)
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="load a decomposed folder made elsewhere, without its manifest")
-    p.set_defaults(make_config=lambda a: (PerplexityJob(
+    p.set_defaults(make_config=lambda a: EvalConfig(PerplexityJob(
         a.model, a.text, a.max_tokens, a.window, a.tp, a.pp, a.layout, verify=a.verify), a.json), run=main)
 
 
-def main(cfg: tuple[PerplexityJob, bool]) -> int:
-    job, as_json = cfg
+def main(cfg: EvalConfig) -> int:
+    job = cfg.job
     result = evaluate(job)
     if result is None:  # a rank other than 0 inside a launcher: rank 0 reports
         return 0
-    if as_json:
+    if cfg.json:
         emit_json(result)
     else:
         print(f"perplexity {result['ppl']:.4f} over {result['tokens']} tokens in {result['windows']} "
-              f"windows ({job.layout}, TP={job.tp}, PP={job.pp})")
+              f"windows ({job.layout.value}, TP={job.tp}, PP={job.pp})")
     return 0

@@ -5,15 +5,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from deinfer_megatron.cli.arguments import names, parsed_by
 from deinfer_megatron.cli.output import emit_json
 from deinfer_megatron.files.text import read_text
-from deinfer_megatron.generation.job import ENGINES, GenerateJob, prepare, run_generate
+from deinfer_megatron.generation.job import GenerateJob, prepare, run_generate
+from deinfer_megatron.generation.options import CacheOptions, DType, Engine, Parallelism
 from deinfer_megatron.generation.sampling import SamplingParams
 from deinfer_megatron.launch.external import LAUNCHERS, run_under_launcher
 from deinfer_megatron.launch.report import send_report
+from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.specs.layout import Layout
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """What ``generate`` was asked for: the job, and how this process takes part in it."""
+
+    job: GenerateJob
+    launcher: str = "auto"  # "auto": join the launcher that started us, or start the ranks ourselves
+    json: bool = False  # stdout is the one JSON document
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,21 +44,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--layout", choices=[m.value for m in Layout], default="deinfer")
-    p.add_argument("--kv-cache", choices=("full", "latent"), default="full")
+    p.add_argument("--layout", type=parsed_by(Layout.parse), choices=names(Layout), default=Layout.DEINFER)
+    p.add_argument("--kv-cache", type=parsed_by(CacheKind.parse), choices=names(CacheKind), default=CacheKind.FULL)
     p.add_argument("--no-absorb", dest="absorb", action="store_false",
                    help="latent cache: rebuild V instead of absorbing U_v after attention")
     p.add_argument("--kv-budget-gb", type=float, help="KV-cache memory per rank; sizes the slots")
-    p.add_argument("--engine", choices=ENGINES, default="megatron")
+    p.add_argument("--engine", type=parsed_by(Engine.parse), choices=names(Engine), default=Engine.MEGATRON)
     p.add_argument("--own-loop", action="store_true", help="use the project's loop, not Megatron's engine")
     p.add_argument("--launcher", choices=("auto", *LAUNCHERS), default="auto",
                    help="auto: join the launcher that started us, or start the ranks ourselves")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", type=parsed_by(DType.parse), choices=names(DType), default=DType.FLOAT32)
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="load a decomposed folder made elsewhere, without its manifest (shapes and "
                         "non-finite values are still checked)")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(make_config=lambda a: a, run=main)
+    p.set_defaults(make_config=config_from_args, run=main)
 
 
 def _prompts(args: argparse.Namespace) -> tuple[str, ...]:
@@ -65,16 +78,19 @@ def _prompts(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(prompts)
 
 
-def job_from_args(args: argparse.Namespace) -> GenerateJob:
+def config_from_args(args: argparse.Namespace) -> GenerateConfig:
+    """The parsed flags as a ``GenerateConfig`` (prompts files are read here)."""
     sampling = SamplingParams.from_options(temperature=args.temperature, top_k=args.top_k,
                                            top_p=args.top_p, seed=args.seed, greedy=args.greedy)
     prompts = _prompts(args)
-    return GenerateJob(
+    job = GenerateJob(
         model=args.model, prompts=prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
-        tp=args.tp, pp=args.pp, layout=args.layout, kv_cache=args.kv_cache, absorb_values=args.absorb,
-        engine=args.engine, own_loop=args.own_loop, kv_budget_gb=args.kv_budget_gb,
-        stop=tuple(args.stop), chat=args.chat, stream=len(prompts) == 1 and not args.json,
-        dtype=args.dtype, verify=args.verify)
+        stop=tuple(args.stop), chat=args.chat,
+        parallel=Parallelism(tp=args.tp, pp=args.pp, layout=args.layout),
+        cache=CacheOptions(kind=args.kv_cache, absorb_values=args.absorb, budget_gb=args.kv_budget_gb),
+        engine=args.engine, own_loop=args.own_loop, dtype=args.dtype,
+        stream=len(prompts) == 1 and not args.json, verify=args.verify)
+    return GenerateConfig(job=job, launcher=args.launcher, json=args.json)
 
 
 def _without_launcher(argv: list[str]) -> list[str]:
@@ -89,26 +105,26 @@ def _without_launcher(argv: list[str]) -> list[str]:
     return out
 
 
-def main(args: argparse.Namespace) -> int:
+def main(cfg: GenerateConfig) -> int:
     from deinfer_megatron.launch.env import detect
 
-    job = job_from_args(args)
-    if args.launcher != "auto" and detect() is None:
+    job = cfg.job
+    if cfg.launcher != "auto" and detect() is None:
         prepare(job)  # bad input fails here, in one line, before any launcher starts
-        code, result = run_under_launcher(args.launcher, job.tp * job.pp, _without_launcher(sys.argv[1:]),
-                                          report=args.json)
+        code, result = run_under_launcher(cfg.launcher, job.parallel.world, _without_launcher(sys.argv[1:]),
+                                          report=cfg.json)
         if code != 0:
-            raise RuntimeError(f"the {args.launcher} launcher exited with status {code}; its ranks' "
+            raise RuntimeError(f"the {cfg.launcher} launcher exited with status {code}; its ranks' "
                                "messages are above")
-        if args.json:
+        if cfg.json:
             if result is None:
-                raise RuntimeError(f"the ranks under {args.launcher} finished without reporting a result")
+                raise RuntimeError(f"the ranks under {cfg.launcher} finished without reporting a result")
             emit_json(result)
         return 0
     result = run_generate(job)
     if result is None or send_report(result):  # a non-reporting rank, or rank 0 under --launcher
         return 0
-    if args.json:
+    if cfg.json:
         emit_json(result)
     elif not job.stream:
         for out in result["outputs"]:

@@ -17,19 +17,29 @@ import torch.nn.functional as F
 
 from deinfer_megatron.files.text import read_text
 from deinfer_megatron.launch.run import run_on_ranks
+from deinfer_megatron.specs.layout import Layout
 
 
 @dataclass(frozen=True)
 class PerplexityJob:
+    """Perplexity of ``model`` over the first ``max_tokens`` tokens of ``text``, cut into windows.
+
+    ``layout`` is parsed on construction (``Layout.parse``; a ``Layout`` passes unchanged), so a
+    job built in Python may name it.
+    """
+
     model: Path
     text: Path
     max_tokens: int = 4096
     window: int = 512
     tp: int = 1
     pp: int = 1
-    layout: str = "deinfer"
+    layout: Layout = Layout.DEINFER
     batch: int = 4
     verify: bool = True  # False: a decomposed folder without its manifest (--no-verify)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", Layout.parse(self.layout))
 
 
 def token_windows(model: Path, text: Path, max_tokens: int, window: int) -> torch.Tensor:
@@ -59,9 +69,10 @@ def _rank(job: PerplexityJob) -> dict:
     groups = init_parallel(job.tp, job.pp)
     try:
         stage = load_folder(job.model, job.layout, groups, verify=False)  # evaluate() verified it
-        total = torch.zeros(2, dtype=torch.float64)  # summed NLL, predicted tokens
-        for batch in windows.split(job.batch):
-            pos = torch.arange(batch.shape[1]).expand_as(batch)
+        device = next(stage.model.parameters()).device  # the windows go where the stage lives
+        total = torch.zeros(2, dtype=torch.float64, device=device)  # summed NLL, predicted tokens
+        for batch in windows.to(device).split(job.batch):
+            pos = torch.arange(batch.shape[1], device=device).expand_as(batch)
             logits = stage_forward(stage, batch, pos)
             if logits is not None:
                 nll = F.cross_entropy(
@@ -69,7 +80,7 @@ def _rank(job: PerplexityJob) -> dict:
                     batch[:, 1:].reshape(-1),
                     reduction="sum",
                 )
-                total += torch.tensor([nll.item(), batch[:, 1:].numel()], dtype=torch.float64)
+                total += torch.tensor([nll.item(), batch[:, 1:].numel()], dtype=torch.float64, device=device)
         total = broadcast_from_last_stage(stage, total if groups.is_last_stage else None, total)
     finally:
         shutdown()
@@ -94,4 +105,4 @@ def evaluate(job: PerplexityJob) -> dict | None:
     result = run_on_ranks(job.tp * job.pp, _rank, job)
     if result is None:
         return None
-    return {**result, "model": str(job.model), "layout": job.layout, "tp": job.tp, "pp": job.pp}
+    return {**result, "model": str(job.model), "layout": job.layout.value, "tp": job.tp, "pp": job.pp}

@@ -7,6 +7,8 @@ from typing import Any
 
 from megatron.core.inference.contexts.static_context import StaticInferenceContext
 
+from deinfer_megatron.layers.kv_cache import CacheKind
+
 
 class GenerationContext(StaticInferenceContext):
     """``StaticInferenceContext`` with the KV-cache choice read by decomposed attention.
@@ -14,16 +16,15 @@ class GenerationContext(StaticInferenceContext):
     Args:
         max_batch_size: request slots.
         max_sequence_length: tokens per slot (prompt + new tokens).
-        kv_cache: "full" (K/V of each rank's heads) or "latent" (rank-r latents).
+        kv_cache: ``CacheKind.FULL`` (K/V of each rank's heads) or ``LATENT`` (rank-r latents);
+            a name is parsed by ``CacheKind.parse``, the one place an unknown kind is refused.
         absorb_values: with the latent cache, fold ``U_v`` in after attention when decoding.
     """
 
-    def __init__(self, max_batch_size: int, max_sequence_length: int, *, kv_cache: str = "full",
-                 absorb_values: bool = True) -> None:
+    def __init__(self, max_batch_size: int, max_sequence_length: int, *,
+                 kv_cache: CacheKind = CacheKind.FULL, absorb_values: bool = True) -> None:
         super().__init__(max_batch_size, max_sequence_length)
-        if kv_cache not in ("full", "latent"):
-            raise ValueError(f"--kv-cache must be full or latent, got {kv_cache!r}")
-        self.kv_cache = kv_cache
+        self.kv_cache = CacheKind.parse(kv_cache)
         self.absorb_values = absorb_values
 
     def cache_bytes(self) -> int:
@@ -56,6 +57,7 @@ def slot_length(needed: int, *, max_positions: int, bytes_per_token: int, slots:
 
 
 def describe(context: Any) -> dict[str, Any]:
+    """What a context allocated: bytes held, bytes per token slot, slots and tokens per slot."""
     slots = context.max_batch_size * context.max_sequence_length
     nbytes = context.cache_bytes()
     return {"kv_cache_bytes": nbytes, "kv_bytes_per_token": nbytes // max(1, slots),

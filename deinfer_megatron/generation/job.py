@@ -10,7 +10,6 @@ carry. Global rank 0 streams a single prompt's text as it is generated and retur
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,33 +17,48 @@ from typing import Any
 
 import torch
 
+from deinfer_megatron.generation.options import (
+    CacheOptions,
+    DType,
+    Engine,
+    Parallelism,
+    latent_cache_layouts,
+)
 from deinfer_megatron.generation.sampling import SamplingParams
+from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.parallel import comm
 from deinfer_megatron.launch.run import run_on_ranks
 
 log = logging.getLogger(__name__)
-ENGINES = ("megatron", "deepspeed")
 
 
 @dataclass(frozen=True)
 class GenerateJob:
+    """One ``generate`` request: the prompts and how to continue them, where the ranks run and
+    what they cache, who drives the steps.
+
+    ``engine`` and ``dtype`` are parsed on construction (``Engine.parse``, ``DType.parse``; a
+    member passes unchanged), like the layout and cache kind of ``parallel`` and ``cache``, so
+    a job built in Python may name them.
+    """
+
     model: Path
     prompts: tuple[str, ...]
     max_new_tokens: int = 64
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    tp: int = 1
-    pp: int = 1
-    layout: str = "deinfer"
-    kv_cache: str = "full"
-    absorb_values: bool = True
-    engine: str = "megatron"
-    own_loop: bool = False
-    kv_budget_gb: float | None = None
     stop: tuple[str, ...] = ()
     chat: bool = False
-    stream: bool = False
-    dtype: str = "float32"
+    parallel: Parallelism = field(default_factory=Parallelism)
+    cache: CacheOptions = field(default_factory=CacheOptions)
+    engine: Engine = Engine.MEGATRON
+    own_loop: bool = False  # the project's loop even where Megatron's engine could run
+    dtype: DType = DType.FLOAT32
+    stream: bool = False  # print a single prompt's text as it is generated
     verify: bool = True  # False: a decomposed folder without its manifest (--no-verify)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "engine", Engine.parse(self.engine))
+        object.__setattr__(self, "dtype", DType.parse(self.dtype))
 
 
 def _tokenizer(model: Path) -> Any:
@@ -92,38 +106,41 @@ def validate(job: GenerateJob, prompt_ids: list[list[int]]) -> None:
     from deinfer_megatron.generation.context import slot_length
     from deinfer_megatron.planning.preflight import check_fits
 
-    if job.engine not in ENGINES:
-        raise ValueError(f"unknown --engine {job.engine!r}; choose one of {', '.join(ENGINES)}")
     if job.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {job.max_new_tokens}")
-    if job.kv_budget_gb is not None and not (math.isfinite(job.kv_budget_gb) and job.kv_budget_gb > 0):
-        raise ValueError(f"--kv-budget-gb must be a number of GB > 0, got {job.kv_budget_gb}")
+    job.cache.check_budget()
     arch, ranks = open_config(job.model, verify=job.verify)
-    if job.kv_cache == "latent":
+    if job.cache.kind is CacheKind.LATENT:
         if not ranks.modules:
             raise ValueError(
                 f"--kv-cache latent needs a decomposed model; {job.model} is dense "
                 "(decompose it with `deinfer-megatron decompose`, or use --kv-cache full)"
             )
-        if job.layout != "deinfer":
-            raise ValueError("--kv-cache latent needs --layout deinfer (whole latents on every rank)")
+        if not job.parallel.layout.supports_latent_cache:
+            raise ValueError(f"--kv-cache latent needs --layout {latent_cache_layouts()} (whole latents on every rank)")
     needed = max(map(len, prompt_ids)) + job.max_new_tokens
     slot_length(needed, max_positions=arch.max_positions, bytes_per_token=0, slots=len(prompt_ids), budget_gb=None)
     # Sizes before weights: a wrong config.json is refused before anything is read or allocated.
-    check_fits(arch, ranks, job.layout, tp=job.tp, pp=job.pp, dtype_bytes=2 if job.dtype == "bfloat16" else 4,
-               kv_tokens=len(prompt_ids) * needed, kv_cache=job.kv_cache)
+    par = job.parallel
+    check_fits(arch, ranks, par.layout, tp=par.tp, pp=par.pp, dtype_bytes=job.dtype.itemsize,
+               kv_tokens=len(prompt_ids) * needed, kv_cache=job.cache.kind)
     open_model(job.model, verify=job.verify)  # manifest, shapes
 
 
-def _bytes_per_token(stage: Any, kv_cache: str) -> int:
-    """KV bytes one token costs on this rank (this stage's layers), from the planner."""
+def _bytes_per_token(stage: Any, kind: CacheKind) -> int:
+    """KV bytes one token costs on this rank (this stage's layers), from the planner; a layer
+    without a latent width (a dense one) keeps full K/V under the latent cache too."""
     from deinfer_megatron.planning.plan import make_plan
 
     plan = make_plan(stage.arch, stage.rank_config, stage.layout, tp=stage.groups.tp_size,
                      pp=stage.groups.pp_size, dtype_bytes=stage.model.config.params_dtype.itemsize)
     layers = plan.layers[stage.layer_offset : stage.layer_offset + stage.num_local_layers]
-    kv = [l.kv_bytes_per_token for l in layers]
-    return sum((k["latent"] if kv_cache == "latent" and k["latent"] is not None else k["full"]) for k in kv)
+    total = 0
+    for layer in layers:
+        kv = layer.kv_bytes_per_token
+        latent = kv[CacheKind.LATENT.value]
+        total += latent if kind is CacheKind.LATENT and latent is not None else kv[CacheKind.FULL.value]
+    return total
 
 
 def _stop_check(tokenizer: Any, stops: tuple[str, ...]) -> Any:
@@ -148,26 +165,26 @@ def _streamer(tokenizer: Any) -> Any:
 
 def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | None:
     from deinfer_megatron.generation.context import GenerationContext, describe, slot_length
-    from deinfer_megatron.generation.loop import generate_tokens
+    from deinfer_megatron.generation.loop import generate_tokens, stage_device
     from deinfer_megatron.generation.megatron_engine import engine_supports, generate_with_engine
     from deinfer_megatron.models.build import load_folder
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[job.dtype]
+    par, cache = job.parallel, job.cache
     tokenizer = _tokenizer(job.model)
-    groups = init_parallel(job.tp, job.pp)
+    groups = init_parallel(par.tp, par.pp)
     try:
-        stage = load_folder(job.model, job.layout, groups, dtype=dtype, verify=False)  # prepare() verified
+        stage = load_folder(job.model, par.layout, groups, dtype=job.dtype.torch, verify=False)  # prepare() verified
         tokens = slot_length(
             max(map(len, prompt_ids)) + job.max_new_tokens, max_positions=stage.arch.max_positions,
-            bytes_per_token=_bytes_per_token(stage, job.kv_cache), slots=len(prompt_ids),
-            budget_gb=job.kv_budget_gb)
-        context = GenerationContext(len(prompt_ids), tokens, kv_cache=job.kv_cache,
-                                    absorb_values=job.absorb_values)
-        if job.engine == "deepspeed":
+            bytes_per_token=_bytes_per_token(stage, cache.kind), slots=len(prompt_ids),
+            budget_gb=cache.budget_gb)
+        context = GenerationContext(len(prompt_ids), tokens, kv_cache=cache.kind,
+                                    absorb_values=cache.absorb_values)
+        if job.engine is Engine.DEEPSPEED:
             from deinfer_megatron.generation.deepspeed_engine import wrap_with_deepspeed
 
-            stage.runner = wrap_with_deepspeed(stage.model, groups, dtype)
+            stage.runner = wrap_with_deepspeed(stage.model, groups, job.dtype.torch)
         eos = eos_ids(job.model, tokenizer)
         reporter = groups.global_rank == 0
         kwargs = dict(max_new_tokens=job.max_new_tokens, params=job.sampling, context=context,
@@ -184,13 +201,28 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
             driver = "deinfer-loop"
         if job.stream and reporter:
             sys.stdout.write("\n")
-        cache = describe(context)
-        peak = torch.tensor([cache["kv_cache_bytes"]], dtype=torch.float64)
+        allocated = describe(context)
+        peak = torch.tensor([allocated["kv_cache_bytes"]], dtype=torch.float64, device=stage_device(stage))
         comm.max_over_world(peak)
     finally:
         shutdown()
     if not reporter:
         return None
+    return {
+        "outputs": _texts(job, tokenizer, outputs),
+        "timing": {"prefill_s": timing.prefill_s, "decode_tokens_per_s": timing.decode_tokens_per_s,
+                   "decode_s": timing.decode_s},
+        "kv_cache_bytes": int(peak.item()),
+        "kv_bytes_per_token": allocated["kv_bytes_per_token"],
+        "driver": driver,
+        "engine": job.engine.value,
+        "layout": par.layout.value, "kv_cache": cache.kind.value, "tp": par.tp, "pp": par.pp,
+    }
+
+
+def _texts(job: GenerateJob, tokenizer: Any, outputs: list[Any]) -> list[dict[str, Any]]:
+    """Each prompt's result: its ids decoded once, here on the reporting rank, and cut before
+    the first ``--stop`` string."""
     results = []
     for text, out in zip(job.prompts, outputs):
         decoded = tokenizer.decode(out.token_ids, skip_special_tokens=True)
@@ -199,16 +231,7 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
                 decoded = decoded[: decoded.index(s)]
         results.append({"prompt": text, "token_ids": out.token_ids, "text": decoded,
                         "finish_reason": out.finish_reason})
-    return {
-        "outputs": results,
-        "timing": {"prefill_s": timing.prefill_s, "decode_tokens_per_s": timing.decode_tokens_per_s,
-                   "decode_s": timing.decode_s},
-        "kv_cache_bytes": int(peak.item()),
-        "kv_bytes_per_token": cache["kv_bytes_per_token"],
-        "driver": driver,
-        "engine": job.engine,
-        "layout": job.layout, "kv_cache": job.kv_cache, "tp": job.tp, "pp": job.pp,
-    }
+    return results
 
 
 def prepare(job: GenerateJob) -> list[list[int]]:
@@ -223,4 +246,4 @@ def prepare(job: GenerateJob) -> list[list[int]]:
 
 def run_generate(job: GenerateJob) -> dict[str, Any] | None:
     """Generate for ``job``; the result on the reporting process, None on other ranks."""
-    return run_on_ranks(job.tp * job.pp, _rank, job, prepare(job))
+    return run_on_ranks(job.parallel.world, _rank, job, prepare(job))

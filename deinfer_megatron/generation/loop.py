@@ -42,17 +42,25 @@ class Timing:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
+def stage_device(stage: Stage) -> torch.device:
+    """Where this rank's stage lives (its parameters' device): every tensor generation makes for
+    it goes there, so a CUDA stage is fed CUDA tensors and a CPU one stays on the CPU."""
+    return next(stage.model.parameters()).device
+
+
 def _forward(stage: Stage, tokens: torch.Tensor, start: int, context: GenerationContext) -> torch.Tensor | None:
-    pos = torch.arange(start, start + tokens.shape[1]).expand_as(tokens)
+    pos = torch.arange(start, start + tokens.shape[1], device=tokens.device).expand_as(tokens)
     logits = stage_forward(stage, tokens, pos, inference_context=context)
     context.sequence_len_offset += tokens.shape[1]
     return None if logits is None else logits[:, -1]
 
 
 def _next_tokens(stage: Stage, logits: torch.Tensor | None, batch: int, params: SamplingParams,
-                 generator: torch.Generator) -> torch.Tensor:
+                 generator: torch.Generator) -> list[int]:
+    """The next token of every row, on every rank: sampled on the last stage, then broadcast."""
     chosen = sample(logits, params, generator) if logits is not None else None
-    return broadcast_from_last_stage(stage, chosen, torch.zeros(batch, dtype=torch.long))
+    like = torch.zeros(batch, dtype=torch.long, device=generator.device)
+    return broadcast_from_last_stage(stage, chosen, like).tolist()
 
 
 def generate_tokens(
@@ -72,11 +80,12 @@ def generate_tokens(
     batch = len(prompts)
     lengths = [len(p) for p in prompts]
     total = max(lengths) + max_new_tokens
-    tokens = torch.zeros(batch, total, dtype=torch.long)
+    device = stage_device(stage)
+    tokens = torch.zeros(batch, total, dtype=torch.long, device=device)
     for row, p in enumerate(prompts):
-        tokens[row, : len(p)] = torch.tensor(list(p))
+        tokens[row, : len(p)] = torch.tensor(list(p), device=device)
     outputs = [Generated(list(p)) for p in prompts]
-    generator = torch.Generator().manual_seed(params.seed)
+    generator = torch.Generator(device=device).manual_seed(params.seed)
     timing = Timing()
     context.reset()
 
@@ -91,7 +100,7 @@ def generate_tokens(
             if step < lengths[row]:
                 continue  # still inside its prompt: keep the prompt token
             if out.finish_reason is None:
-                token = int(chosen[row])
+                token = chosen[row]
                 tokens[row, step] = token
                 out.token_ids.append(token)
                 timing.decode_tokens += 1

@@ -1,6 +1,8 @@
 """``deinfer-megatron bench`` as users run it (a subprocess through the CLI), checked field by
-field, with the collectives of one decode step compared with ``make_plan`` computed here;
-the roofline at tiny sizes; skipped and failed cells; one-line errors for bad input."""
+field, with the collectives of one decode step compared with ``make_plan`` computed here and
+the speed-ups recomputed from the cells' own summaries; the JSON's keys against the documents
+committed in docs/bench; the roofline at tiny sizes; skipped and failed cells; one-line errors
+for bad input."""
 
 from __future__ import annotations
 
@@ -15,13 +17,17 @@ import pytest
 from deinfer_megatron.bench import matrix, report, roofline
 from deinfer_megatron.bench.sources import ModelSource
 from deinfer_megatron.cli.main import run
+from deinfer_megatron.bench.records import CellStatus
 from deinfer_megatron.decompose.allocation import uniform_ranks
+from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.models.synthetic import synthetic_arch
 from deinfer_megatron.planning.plan import make_plan
+from deinfer_megatron.specs.layout import Layout
 from deinfer_megatron.specs.rank_config import RankConfig
 
 CLI = [sys.executable, "-m", "deinfer_megatron.cli.main", "bench"]
 GEN_LEN = 4
+DOCUMENTED = Path(__file__).resolve().parents[2] / "docs" / "bench"
 
 
 def bench(tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -80,13 +86,42 @@ def test_every_cell_measured_and_matches_the_plan(tiny) -> None:
 def test_speedups_and_reports(tiny) -> None:
     tmp, proc, doc = tiny
     assert {(c["tp"], c["batch"]) for c in doc["comparisons"]} == {(t, b) for t in (1, 2) for b in (1, 2)}
+    cells = {(c["layout"], c["kv_cache"], c["tp"], c["batch"], c["prompt_len"]): c for c in doc["cells"]}
     for c in doc["comparisons"]:
-        assert c["speedup_vs_naive"] > 0 and c["speedup_vs_dense"] > 0
+        key = (c["tp"], c["batch"], c["prompt_len"])
+        deinfer = cells[("deinfer", c["kv_cache"], *key)]["summary"]
+        rate = deinfer["decode_tokens_per_s"]
+        assert c["deinfer_tokens_per_s"] == rate, key
+        for base in ("naive", "dense"):  # deinfer tokens/s ÷ the baseline's, from the cells' own summaries
+            expected = rate / cells[(base, "full", *key)]["summary"]["decode_tokens_per_s"]
+            assert c[f"speedup_vs_{base}"] == expected, (key, base)
+            assert deinfer[f"speedup_vs_{base}"] == expected, (key, base)
+    for cell in doc["cells"]:  # only the deinfer cells are compared
+        compared = {"speedup_vs_naive", "speedup_vs_dense"} <= set(cell["summary"])
+        assert compared == (cell["layout"] == "deinfer"), cell["layout"]
     md = (tmp / "out.md").read_text()
     assert md.startswith("# deinfer-megatron bench: llama-tiny") and md.count("\n| deinfer | full |") == 4
     assert (tmp / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "decode tok/s" in proc.stdout and proc.stdout.count("deinfer") == 4
+    table = proc.stdout.strip().splitlines()
+    assert len(table) == 1 + len(doc["cells"]), "a header, then one row per cell"
     assert not list(tmp.glob(".*.tmp")), "atomic writes leave no temporary files"
+
+
+def test_json_keys_equal_the_documented_runs(tiny) -> None:
+    """Field for field, the document has the keys of the runs committed in docs/bench."""
+    _, _, doc = tiny
+    ref = json.loads((DOCUMENTED / "llama-1b-matrix.json").read_text())
+    assert list(doc) == list(ref) and list(doc["args"]) == list(ref["args"])
+    assert list(doc["counts"]) == list(ref["counts"]) and list(doc["model"]) == list(ref["model"])
+    assert list(doc["comparisons"][0]) == list(ref["comparisons"][0])
+    ref_cells = {c["layout"]: c for c in ref["cells"]}
+    for cell in doc["cells"]:
+        other = ref_cells[cell["layout"]]
+        assert list(cell) == list(other) and list(cell["summary"]) == list(other["summary"]), cell["layout"]
+        assert list(cell["plan"]) == list(other["plan"]), cell["layout"]
+        rank, ref_rank = cell["ranks"][0], other["ranks"][0]
+        assert list(rank) == list(ref_rank) and list(rank["decode_step_comm"]) == list(ref_rank["decode_step_comm"])
+        assert list(rank["warmup"]) == list(ref_rank["warmup"]) == list(rank["samples"][0])
 
 
 def test_latent_cache_skips_and_roofline_through_the_cli(tmp_path) -> None:
@@ -102,6 +137,10 @@ def test_latent_cache_skips_and_roofline_through_the_cli(tmp_path) -> None:
     assert machine["copy_gbps"] > 0 and all(g["gflops"] > 0 for g in machine["gemm"])
     assert bound["bound_s"] > 0 and bound["measured_over_bound"] > 0
     assert bound["collectives"] == full["collectives_per_token"] + 2  # + embedding and logits
+    documented = json.loads((DOCUMENTED / "llama-1b-target.json").read_text())
+    assert list(ok) == list(documented["cells"][0]) and list(bound) == list(documented["cells"][0]["roofline"])
+    assert list(machine) == list(documented["roofline"])
+    assert list(skipped) == ["layout", "kv_cache", "tp", "batch", "prompt_len", "gen_len", "repeats", "status", "reason"]
     assert "bound" in proc.stdout and "skipped" in proc.stdout
 
 
@@ -119,17 +158,20 @@ def test_roofline_smoke_tiny_sizes() -> None:
 def test_failed_cell_is_recorded_and_the_matrix_goes_on(tmp_path) -> None:
     arch = synthetic_arch("llama-tiny")
     source = ModelSource("tiny", arch, RankConfig.from_mapping(uniform_ranks(arch, 0.6), arch), tmp_path, tmp_path)
-    cfg = matrix.BenchConfig(synthetic="llama-tiny", layouts=("naive", "deinfer"), kv_caches=("full", "latent"),
-                             tps=(2,), batches=(1,), gen_len=2, progress=False)
+    grid = matrix.BenchGrid(synthetic="llama-tiny", layouts=(Layout.NAIVE, Layout.DEINFER),
+                            kv_caches=(CacheKind.FULL, CacheKind.LATENT), tps=(2,), batches=(1,), gen_len=2)
 
-    def runner(cell, source, cfg):
-        if cell.layout == "naive":
+    def runner(cell, source, grid):
+        if cell.layout is Layout.NAIVE:
             raise RuntimeError("rank 1 ran out of memory\ntraceback ...")
         return []
 
-    records = matrix.run_matrix(cfg, source, runner=runner)
-    assert [r["status"] for r in records] == ["error", "skipped", "ok", "ok"]
-    assert records[0]["error"] == "RuntimeError: rank 1 ran out of memory"
+    records = matrix.run_matrix(grid, source, runner=runner, progress=False)
+    assert [r.status for r in records] == [CellStatus.ERROR, CellStatus.SKIPPED, CellStatus.OK, CellStatus.OK]
+    assert records[0].error == "RuntimeError: rank 1 ran out of memory"
+    failed, skipped = records[0].to_json(), records[1].to_json()
+    assert failed["status"] == "error" and failed["error"] == records[0].error and failed["plan"] is not None
+    assert skipped["status"] == "skipped" and "deinfer layout only" in skipped["reason"]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -1,19 +1,53 @@
-"""``deinfer-megatron demo --layouts`` must pass its own parity check."""
+"""``deinfer-megatron demo --layouts`` must pass its own parity check: read from its ``--json``
+documents, with the planned collectives recomputed here; the text it prints, from the same
+comparisons."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
+from deinfer_megatron.cli.demo_cmd import DEMO_MODEL, DEMO_RATIO, LayoutParity, parity_table
+from deinfer_megatron.decompose.allocation import uniform_ranks
+from deinfer_megatron.models.synthetic import synthetic_arch
+from deinfer_megatron.planning.plan import make_plan
+from deinfer_megatron.specs.layout import Layout
+from deinfer_megatron.specs.rank_config import RankConfig
+
+TP = 2
+
 
 def test_demo_compares_the_three_layouts() -> None:
-    proc = subprocess.run([sys.executable, "-m", "deinfer_megatron.cli.main", "demo", "--layouts"],
+    proc = subprocess.run([sys.executable, "-m", "deinfer_megatron.cli.main", "demo", "--layouts", "--json"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
-    assert "parity OK" in out
-    rows = {line.split()[0]: line.split() for line in out.splitlines()
-            if line.split() and line.split()[0] in ("dense", "naive", "deinfer") and len(line.split()) == 7}
-    assert set(rows) == {"dense", "naive", "deinfer"}
-    for name, cols in rows.items():
-        assert cols[1] == cols[2] and cols[3] == cols[4], f"{name}: measured collectives differ from plan"
+    docs = [json.loads(line) for line in proc.stdout.splitlines()]  # stdout holds the documents only
+    assert [d["layout"] for d in docs] == ["dense", "naive", "deinfer"]
+    arch = synthetic_arch(DEMO_MODEL)
+    ranks = RankConfig.from_mapping(uniform_ranks(arch, DEMO_RATIO, layers=range(arch.num_layers - 1)), arch)
+    for d in docs:
+        where = d["layout"]
+        plan = make_plan(arch, ranks, d["layout"], tp=TP).totals  # independently of the demo
+        assert d["tp"] == TP, where
+        assert d["plan"] == {"collectives_per_token": plan["collectives_per_token"],
+                             "elements_per_token": plan["elements_per_token"]}, where
+        assert d["issued"] == {"collectives": plan["collectives_per_token"],
+                               "elements_per_token": plan["elements_per_token"]}, where
+        assert d["greedy_equal"] is True and d["parity"] is True, where
+        assert 0 <= d["max_abs_dlogit"] <= d["tolerance"] and d["tolerance"] >= 1e-4, where
+    by = {d["layout"]: d["issued"] for d in docs}
+    assert by["deinfer"]["elements_per_token"] < by["naive"]["elements_per_token"]
+
+
+def test_the_printed_table_says_what_the_comparisons_say() -> None:
+    rows = [LayoutParity(Layout.DENSE, 2, 8, 512, 8, 512, 3e-7, True, 1e-4),
+            LayoutParity(Layout.DEINFER, 2, 14, 575, 14, 575, 2e-6, True, 1e-4)]
+    text = parity_table(rows, scale=0.5)
+    lines = text.splitlines()
+    assert lines[1].split() == ["dense", "8", "8", "512", "512", "3.00e-07", "True"]
+    assert lines[2].split() == ["deinfer", "14", "14", "575", "575", "2.00e-06", "True"]
+    assert lines[-1] == "parity OK (tolerance 1e-4 × logit scale 0.50)"
+    bad = [*rows, LayoutParity(Layout.NAIVE, 2, 20, 900, 20, 900, 1e-3, True, 1e-4)]
+    assert parity_table(bad, scale=0.5).splitlines()[-1].startswith("parity FAILED")
+    assert [r.ok for r in bad] == [True, True, False]

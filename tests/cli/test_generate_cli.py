@@ -94,3 +94,36 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path: Path) -> None:
         proc = cli(*args, env=env, timeout=120)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], (args[-2:], proc.stderr[-2000:])
+
+
+def test_flags_are_parsed_into_a_typed_config(tmp_path: Path) -> None:
+    """argparse parses straight into the job's typed values; ``main`` gets a ``GenerateConfig``."""
+    from deinfer_megatron.cli.generate_cmd import GenerateConfig
+    from deinfer_megatron.cli.main import build_parser
+    from deinfer_megatron.generation.options import DType, Engine
+    from deinfer_megatron.layers.kv_cache import CacheKind
+    from deinfer_megatron.specs.layout import Layout
+
+    args = build_parser().parse_args(
+        ["generate", "--model", str(tmp_path), "--prompt", "Hi", "--prompt", "Ho", "--tp", "2", "--layout", "naive",
+         "--kv-cache", "latent", "--no-absorb", "--kv-budget-gb", "0.5", "--engine", "deepspeed",
+         "--dtype", "bfloat16", "--launcher", "torchrun", "--json"])
+    cfg = args.make_config(args)
+    assert isinstance(cfg, GenerateConfig) and cfg.launcher == "torchrun" and cfg.json
+    job = cfg.job
+    assert job.prompts == ("Hi", "Ho") and not job.stream
+    assert (job.parallel.tp, job.parallel.pp, job.parallel.layout) == (2, 1, Layout.NAIVE)
+    assert (job.cache.kind, job.cache.absorb_values, job.cache.budget_gb) == (CacheKind.LATENT, False, 0.5)
+    assert job.engine is Engine.DEEPSPEED and job.dtype is DType.BFLOAT16
+    defaults = build_parser().parse_args(["generate", "--model", str(tmp_path), "--prompt", "Hi"])
+    job = defaults.make_config(defaults).job
+    assert job.parallel.layout is Layout.DEINFER and job.cache.kind is CacheKind.FULL and job.stream
+    assert job.engine is Engine.MEGATRON and job.dtype is DType.FLOAT32
+
+
+def test_an_unknown_choice_names_the_choices(capsys) -> None:
+    from deinfer_megatron.cli.main import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--model", "m", "--prompt", "Hi", "--kv-cache", "half"])
+    assert "argument --kv-cache: unknown KV cache kind 'half'; choose one of full, latent" in capsys.readouterr().err

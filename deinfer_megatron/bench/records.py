@@ -1,0 +1,230 @@
+"""The bench's records as typed values, each with ``to_json()`` giving the documented schema.
+
+A cell is measured in its ranks (``RankMeasurement``: the samples of every run, memory, the
+collectives of one decode step), summarised in the parent (``Summary``), and kept with its plan
+and outcome in a ``CellRecord``. The JSON (README, "bench") is exactly what these produce: the
+enums are written by value, tuples as lists, and a key that a record does not carry (a skipped
+cell's plan, a non-deinfer cell's speed-ups) is left out rather than written as null.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.specs.layout import Layout
+
+
+class CellStatus(str, Enum):
+    OK = "ok"
+    SKIPPED = "skipped"  # does not apply to this model (the reason is recorded)
+    ERROR = "error"  # failed; the matrix went on
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of the grid: (layout, KV cache, TP, batch, prompt length)."""
+
+    layout: Layout
+    kv_cache: CacheKind
+    tp: int
+    batch: int
+    prompt_len: int
+
+    def label(self) -> str:
+        return f"{self.layout.value}/{self.kv_cache.value} tp={self.tp} b={self.batch} ctx={self.prompt_len}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layout": self.layout.value, "kv_cache": self.kv_cache.value, "tp": self.tp,
+                "batch": self.batch, "prompt_len": self.prompt_len}
+
+
+@dataclass(frozen=True)
+class PlanTotals:
+    """The planner's per-token figures for a cell (what ``plan`` would print)."""
+
+    collectives_per_token: int
+    elements_per_token: int
+    params_per_rank: int
+    kv_bytes_per_token: int  # of the cell's KV cache
+    collective_ops: tuple[tuple[str, int], ...]  # (kind, elements per token), layer by layer
+
+    def to_json(self) -> dict[str, Any]:
+        return {"collectives_per_token": self.collectives_per_token, "elements_per_token": self.elements_per_token,
+                "params_per_rank": self.params_per_rank, "kv_bytes_per_token": self.kv_bytes_per_token,
+                "collective_ops": [list(op) for op in self.collective_ops]}
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One generation run on one rank."""
+
+    ttft_s: float
+    prefill_s: float
+    decode_s: float
+    tpot_s: float
+    step_s: tuple[float, ...]  # every decode step
+    new_tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ttft_s": self.ttft_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
+                "tpot_s": self.tpot_s, "step_s": list(self.step_s), "new_tokens": self.new_tokens}
+
+
+@dataclass(frozen=True)
+class DecodeStepComm:
+    """The collectives of one decode step, from the comm ledger."""
+
+    collectives: int
+    elements: int
+    by_kind: dict[str, int]
+    tokens_per_collective: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"collectives": self.collectives, "elements": self.elements, "by_kind": dict(self.by_kind),
+                "tokens_per_collective": list(self.tokens_per_collective)}
+
+
+@dataclass(frozen=True)
+class RankMeasurement:
+    """Everything one rank measured in a cell (returned from the rank, so picklable)."""
+
+    tp_rank: int
+    load_s: float
+    warmup: Sample
+    samples: tuple[Sample, ...]
+    decode_step_comm: DecodeStepComm
+    peak_rss_bytes: int
+    peak_rss_generate_bytes: int | None  # None where Linux would not reset the high-water mark
+    kv_cache_bytes: int
+    kv_bytes_per_token: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tp_rank": self.tp_rank, "load_s": self.load_s, "warmup": self.warmup.to_json(),
+                "samples": [s.to_json() for s in self.samples],
+                "decode_step_comm": self.decode_step_comm.to_json(), "peak_rss_bytes": self.peak_rss_bytes,
+                "peak_rss_generate_bytes": self.peak_rss_generate_bytes, "kv_cache_bytes": self.kv_cache_bytes,
+                "kv_bytes_per_token": self.kv_bytes_per_token}
+
+
+@dataclass(frozen=True)
+class Speedups:
+    """The deinfer layout's decode tokens/s ÷ a baseline's (None: that baseline was not measured)."""
+
+    vs_naive: float | None
+    vs_dense: float | None
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A measured cell in figures: rank 0's medians over the timed repeats, every rank's memory."""
+
+    ttft_s: float
+    prefill_s: float
+    tpot_s: float
+    tpot_min_s: float
+    tpot_max_s: float
+    decode_tokens_per_s: float
+    output_tokens_per_s: float
+    peak_rss_bytes: tuple[int, ...]
+    peak_rss_generate_bytes: tuple[int | None, ...]
+    peak_rss_max_bytes: int
+    kv_cache_bytes: int
+    kv_cache_bytes_per_rank: tuple[int, ...]
+    kv_bytes_per_token: int
+    collectives_per_token: int
+    elements_per_token: int
+    collectives_by_kind: dict[str, int]
+    plan_collectives_per_token: int
+    plan_elements_per_token: int
+    plan_match: bool
+    load_s: float
+    speedups: Speedups | None = None  # deinfer cells only, once compared
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"ttft_s": self.ttft_s, "prefill_s": self.prefill_s, "tpot_s": self.tpot_s,
+               "tpot_min_s": self.tpot_min_s, "tpot_max_s": self.tpot_max_s,
+               "decode_tokens_per_s": self.decode_tokens_per_s, "output_tokens_per_s": self.output_tokens_per_s,
+               "peak_rss_bytes": list(self.peak_rss_bytes), "peak_rss_generate_bytes": list(self.peak_rss_generate_bytes),
+               "peak_rss_max_bytes": self.peak_rss_max_bytes, "kv_cache_bytes": self.kv_cache_bytes,
+               "kv_cache_bytes_per_rank": list(self.kv_cache_bytes_per_rank),
+               "kv_bytes_per_token": self.kv_bytes_per_token, "collectives_per_token": self.collectives_per_token,
+               "elements_per_token": self.elements_per_token, "collectives_by_kind": dict(self.collectives_by_kind),
+               "plan_collectives_per_token": self.plan_collectives_per_token,
+               "plan_elements_per_token": self.plan_elements_per_token, "plan_match": self.plan_match,
+               "load_s": self.load_s}
+        if self.speedups is not None:
+            out["speedup_vs_naive"] = self.speedups.vs_naive
+            out["speedup_vs_dense"] = self.speedups.vs_dense
+        return out
+
+
+@dataclass(frozen=True)
+class StepBound:
+    """The roofline's lower bound on one decode step, beside the measured step."""
+
+    weight_bytes: int
+    kv_bytes: int
+    memory_s: float
+    collectives: int
+    comm_s: float
+    compute_s: float
+    bound_s: float
+    bound_with_compute_s: float
+    measured_s: float
+    measured_over_bound: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class CellRecord:
+    """A cell and what became of it: skipped (``reason``), failed (``error``) or measured."""
+
+    cell: Cell
+    gen_len: int
+    repeats: int
+    status: CellStatus
+    plan: PlanTotals | None = None  # every cell that was run
+    reason: str | None = None  # skipped
+    error: str | None = None  # failed: its one-line error
+    wall_s: float | None = None  # every cell that was run
+    ranks: tuple[RankMeasurement, ...] = ()
+    summary: Summary | None = None
+    roofline: StepBound | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {**self.cell.to_json(), "gen_len": self.gen_len, "repeats": self.repeats}
+        if self.status is CellStatus.SKIPPED:
+            return {**out, "status": self.status.value, "reason": self.reason}
+        out["plan"] = self.plan.to_json() if self.plan is not None else None
+        out["status"] = self.status.value
+        if self.status is CellStatus.ERROR:
+            return {**out, "error": self.error, "wall_s": self.wall_s}
+        out["wall_s"] = self.wall_s
+        out["ranks"] = [r.to_json() for r in self.ranks]
+        if self.summary is not None:
+            out["summary"] = self.summary.to_json()
+        if self.roofline is not None:
+            out["roofline"] = self.roofline.to_json()
+        return out
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The deinfer layout's decode speed-up in one (TP, batch, prompt length, KV cache)."""
+
+    tp: int
+    batch: int
+    prompt_len: int
+    kv_cache: CacheKind
+    deinfer_tokens_per_s: float
+    speedups: Speedups
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tp": self.tp, "batch": self.batch, "prompt_len": self.prompt_len, "kv_cache": self.kv_cache.value,
+                "deinfer_tokens_per_s": self.deinfer_tokens_per_s, "speedup_vs_naive": self.speedups.vs_naive,
+                "speedup_vs_dense": self.speedups.vs_dense}
