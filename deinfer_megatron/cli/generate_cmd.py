@@ -27,6 +27,7 @@ class GenerateConfig:
     job: GenerateJob
     launcher: str = "auto"  # "auto": join the launcher that started us, or start the ranks ourselves
     json: bool = False  # stdout is the one JSON document
+    rerun_argv: tuple[str, ...] = ()  # this command's own arguments, for the ranks a launcher starts
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -90,7 +91,8 @@ def config_from_args(args: argparse.Namespace) -> GenerateConfig:
         cache=CacheOptions(kind=args.kv_cache, absorb_values=args.absorb, budget_gb=args.kv_budget_gb),
         engine=args.engine, own_loop=args.own_loop, dtype=args.dtype,
         stream=len(prompts) == 1 and not args.json, verify=args.verify)
-    return GenerateConfig(job=job, launcher=args.launcher, json=args.json)
+    return GenerateConfig(job=job, launcher=args.launcher, json=args.json,
+                          rerun_argv=tuple(_without_launcher(list(args.argv))))
 
 
 def _without_launcher(argv: list[str]) -> list[str]:
@@ -111,7 +113,7 @@ def main(cfg: GenerateConfig) -> int:
     job = cfg.job
     if cfg.launcher != "auto" and detect() is None:
         prepare(job)  # bad input fails here, in one line, before any launcher starts
-        code, result = run_under_launcher(cfg.launcher, job.parallel.world, _without_launcher(sys.argv[1:]),
+        code, result = run_under_launcher(cfg.launcher, job.parallel.world, list(cfg.rerun_argv),
                                           report=cfg.json)
         if code != 0:
             raise RuntimeError(f"the {cfg.launcher} launcher exited with status {code}; its ranks' "

@@ -65,7 +65,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         _quiet_known_warnings()
         from deinfer_megatron.cli.output import stdout_reserved_for_json
 
+        argv = list(sys.argv[1:] if argv is None else argv)
         args = build_parser().parse_args(argv)
+        args.argv = argv  # the command line as given: what a launcher re-runs on every rank
         command = f"deinfer-megatron {args.command}"
         setup_logging(args.verbose)
         with stdout_reserved_for_json(getattr(args, "json", None) is True):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deinfer_megatron.checkpoints.folder import RANK_CONFIG, open_config
+from deinfer_megatron.cli.arguments import names, parsed_by
 from deinfer_megatron.cli.output import emit_json
 from deinfer_megatron.planning.plan import make_plan
 from deinfer_megatron.planning.report import format_plans
@@ -22,7 +23,7 @@ class PlanConfig:
     rank_config: Path | None = None
     tp: int = 1
     pp: int = 1
-    layout: str | None = None
+    layout: Layout | None = None
     batch: int = 1
     seq: int = 1
     json: bool = False
@@ -35,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rank-config", type=Path, help=f"JSON ranks (default: MODEL/{RANK_CONFIG} if present)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--layout", choices=[m.value for m in Layout], help="default: all three side by side")
+    p.add_argument("--layout", type=parsed_by(Layout.parse), choices=names(Layout),
+                   help="default: all three side by side")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=1)
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -52,7 +54,7 @@ def main(cfg: PlanConfig) -> int:
     arch, ranks = open_config(cfg.model, verify=cfg.verify)  # config and rank config, verified
     if cfg.rank_config is not None:
         ranks = RankConfig.load(cfg.rank_config, arch)
-    layouts = [cfg.layout] if cfg.layout else [m.value for m in Layout]
+    layouts = [cfg.layout] if cfg.layout else list(Layout)
     plans, skipped = [], []
     for layout in layouts:
         try:
@@ -60,7 +62,7 @@ def main(cfg: PlanConfig) -> int:
         except ValueError as err:
             if cfg.layout:  # the one layout asked for cannot run: that is the answer
                 raise
-            skipped.append(f"{layout}: {err}")
+            skipped.append(f"{layout.value}: {err}")
     if not plans:
         raise ValueError("no layout can run this model at these sizes: " + "; ".join(skipped))
     for note in skipped:

@@ -29,7 +29,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from deinfer_megatron.arch.ranks import AttentionRanks
 from deinfer_megatron.layers.costs import Cost
-from deinfer_megatron.layers.kv_cache import FullKVCache, LatentKVCache, cache_mode
+from deinfer_megatron.layers.kv_cache import CacheKind, FullKVCache, LatentKVCache, cache_mode
 from deinfer_megatron.parallel.topology import Span, TPView
 
 
@@ -189,21 +189,21 @@ class FactoredSelfAttention(MegatronModule):
             return x
         return apply_rotary_pos_emb(x, freqs, config=self.config, cp_group=self.cp_group)
 
-    def _cache(self, context: Any, kind: str) -> Any:
-        """This layer's cache in the context, allocated on first use."""
+    def _cache(self, context: Any, kind: CacheKind) -> Any:
+        """This layer's cache in the context, allocated on first use beside the layer's weights."""
         cache = context.key_value_memory_dict.get(self.layer_number)
         if cache is None:
-            dtype = self.config.params_dtype
-            if kind == "latent":
+            dtype, device = self.config.params_dtype, self.linear_qkv_down.weight.device
+            if kind is CacheKind.LATENT:
                 if not getattr(self.linear_qkv_down, "full_latents", False):
                     raise ValueError(
                         "the latent KV cache needs whole latents on every rank (the deinfer "
                         "layout); this layout keeps them split over ranks"
                     )
                 ranks = self.linear_qkv_down.section_ranks
-                cache = LatentKVCache(context, ranks[1], ranks[2], dtype)
+                cache = LatentKVCache(context, ranks[1], ranks[2], dtype, device)
             else:
-                cache = FullKVCache(context, self.num_kv_heads, self.head_dim, dtype)
+                cache = FullKVCache(context, self.num_kv_heads, self.head_dim, dtype, device)
             context.key_value_memory_dict[self.layer_number] = cache
         return cache
 
@@ -238,9 +238,9 @@ class FactoredSelfAttention(MegatronModule):
         c_q, c_k, c_v = self.linear_qkv_down(hidden_states)
         query = self._rope(self._project(self.linear_q_up, c_q, self.num_heads),
                            None if q_emb is None else q_emb[start:end])
-        kind, absorb = cache_mode(context) if context is not None else ("none", False)
+        kind, absorb = cache_mode(context) if context is not None else (None, False)
 
-        if kind == "latent":
+        if kind is CacheKind.LATENT:
             all_k, all_v = self._cache(context, kind).store_and_read(c_k, c_v, context)
             key = self._rope(self._project(self.linear_k_up, all_k, self.num_kv_heads),
                              None if k_emb is None else k_emb[:end])
@@ -255,7 +255,7 @@ class FactoredSelfAttention(MegatronModule):
             key = self._rope(self._project(self.linear_k_up, c_k, self.num_kv_heads),
                              None if k_emb is None else k_emb[start:end])
             value = self._project(self.linear_v_up, c_v, self.num_kv_heads)
-            if kind == "full":
+            if kind is CacheKind.FULL:
                 key, value = self._cache(context, kind).store_and_read(key, value, context)
 
         context_layer = self.core_attention(query, key, value, attention_mask)

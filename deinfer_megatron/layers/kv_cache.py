@@ -42,10 +42,11 @@ class CacheKind(str, Enum):
 class _Cache:
     """Two preallocated buffers ``[max_seq, max_batch, ...]`` written at the context's offsets."""
 
-    def __init__(self, context: Any, shapes: tuple[tuple[int, ...], tuple[int, ...]], dtype: torch.dtype) -> None:
+    def __init__(self, context: Any, shapes: tuple[tuple[int, ...], tuple[int, ...]], dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
         seq, batch = context.max_sequence_length, context.max_batch_size
-        self.a = torch.zeros(seq, batch, *shapes[0], dtype=dtype)
-        self.b = torch.zeros(seq, batch, *shapes[1], dtype=dtype)
+        self.a = torch.zeros(seq, batch, *shapes[0], dtype=dtype, device=device)
+        self.b = torch.zeros(seq, batch, *shapes[1], dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -73,15 +74,17 @@ class _Cache:
 class FullKVCache(_Cache):
     """K (post-RoPE) and V: ``[seq, batch, kv_heads, head_dim]`` each."""
 
-    def __init__(self, context: Any, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        super().__init__(context, ((kv_heads, head_dim), (kv_heads, head_dim)), dtype)
+    def __init__(self, context: Any, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(context, ((kv_heads, head_dim), (kv_heads, head_dim)), dtype, device)
 
 
 class LatentKVCache(_Cache):
     """Pre-RoPE latents: ``[seq, batch, r_k]`` and ``[seq, batch, r_v]``."""
 
-    def __init__(self, context: Any, rank_k: int, rank_v: int, dtype: torch.dtype) -> None:
-        super().__init__(context, ((rank_k,), (rank_v,)), dtype)
+    def __init__(self, context: Any, rank_k: int, rank_v: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(context, ((rank_k,), (rank_v,)), dtype, device)
 
 
 def cache_mode(context: Any) -> tuple[CacheKind, bool]:
