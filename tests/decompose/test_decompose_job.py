@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from deinfer_megatron.checkpoints.folder import open_model
 from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
 from deinfer_megatron.evaluation.perplexity import PerplexityJob, evaluate, token_windows
+from tests.helpers.text import real_text_file
 from tests.helpers.tiny_models import full_ranks, save_tiny_folder
 
-AUSTEN = Path(__file__).resolve().parents[3] / "shared" / "data" / "text" / "austen"
-CALIB, EVAL = AUSTEN / "prideprejudice.txt", AUSTEN / "emma.txt"
+TEXT_CHARS = 20_000  # well over the 512 tokens each job reads (about 4 characters a token)
 
 
 def hf_perplexity(model, windows: torch.Tensor) -> float:
@@ -32,19 +32,21 @@ def test_full_rank_reproduces_dense_logits_and_perplexity(family: str, tmp_path:
     hf = save_tiny_folder(family, dense_dir)
     ranks = tmp_path / "ranks.json"
     ranks.write_text(json.dumps(full_ranks(hf)))
+    calib = real_text_file(tmp_path, TEXT_CHARS, "calibration")
+    text = real_text_file(tmp_path, TEXT_CHARS, "evaluation")
     out = run_decompose(DecomposeJob(
-        dense_dir, "svd-llm", rank_config=ranks, calib_text=CALIB, calib_tokens=512,
+        dense_dir, "svd-llm", rank_config=ranks, calib_text=calib, calib_tokens=512,
         calib_seq_len=128, out=tmp_path / "dec"))
     folder = open_model(out)
     assert folder.decomposed and set(folder.rank_config.modules) == set(full_ranks(hf))
 
-    job = PerplexityJob(out, EVAL, max_tokens=512, window=128, layout="deinfer")
-    windows = token_windows(out, EVAL, 512, 128)
+    job = PerplexityJob(out, text, max_tokens=512, window=128, layout="deinfer")
+    windows = token_windows(out, text, 512, 128)
     expected = hf_perplexity(hf, windows)
     got = evaluate(job)
     assert got["tokens"] == windows[:, 1:].numel() and got["windows"] == 4
     assert got["ppl"] == pytest.approx(expected, rel=1e-4)
-    assert evaluate(PerplexityJob(dense_dir, EVAL, 512, 128))["ppl"] == pytest.approx(expected, rel=1e-4)
+    assert evaluate(PerplexityJob(dense_dir, text, 512, 128))["ppl"] == pytest.approx(expected, rel=1e-4)
 
 
 def test_folder_contents_and_integrity_checks(tmp_path: Path) -> None:

@@ -1,9 +1,10 @@
 """End to end on a real single-node Slurm cluster: a 2-rank gloo job, then ``generate`` with
 2 tasks through scripts/slurm/generate.sbatch, checked against Hugging Face greedy tokens.
 
-Brings the cluster up with scripts/slurm/local_cluster.sh (apt-get installs
-slurm-wlm + munge on first use), submits scripts/slurm/smoke.sbatch and checks
-that the Slurm -> torch.distributed mapping produced a working process group.
+Brings the cluster up with tests/helpers/slurm/local_cluster.sh (apt-get installs
+slurm-wlm + munge on first use), submits the user scripts scripts/slurm/smoke.sbatch and
+generate.sbatch as they are, and checks that the Slurm -> torch.distributed mapping produced a
+working process group.
 
 Skipped only when not root or when Slurm is neither installed nor installable
 (no apt-get); any failure to bring the cluster up is a test failure.

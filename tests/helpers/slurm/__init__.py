@@ -1,7 +1,10 @@
 """Helpers for tests that run real Slurm jobs on a local single-node cluster.
 
-The cluster is brought up by ``scripts/slurm/local_cluster.sh start`` (installs
-``slurm-wlm`` + ``munge`` with apt-get on first use, needs root). Typical use::
+The cluster is brought up by ``local_cluster.sh start`` beside this file (installs
+``slurm-wlm`` + ``munge`` with apt-get on first use, needs root). That script changes the
+host — it writes /etc/slurm/slurm.conf and the munge key, may add the hostname to /etc/hosts
+and a policy-rc.d during the install — so it is test infrastructure and lives here, not in
+``scripts/`` with what users run on their own clusters. Typical use::
 
     from tests.helpers.slurm import ensure_cluster, run_sbatch, slurm_skip_reason
 
@@ -32,8 +35,8 @@ import threading
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-LOCAL_CLUSTER = REPO_ROOT / "scripts" / "slurm" / "local_cluster.sh"
+REPO_ROOT = Path(__file__).resolve().parents[3]
+LOCAL_CLUSTER = Path(__file__).resolve().with_name("local_cluster.sh")
 SLURM_DIR = Path(os.environ.get("DEINFER_SLURM_DIR", "/var/spool/slurm-deinfer"))
 
 _REQUIRED_BINARIES = ("sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo",
