@@ -37,14 +37,14 @@ class ModelSource:
     dense_dir: Path  # what the dense layout loads (a decomposed folder is multiplied out)
 
     def folder_for(self, layout: Layout) -> Path:
-        if layout is Layout.DENSE:
+        if layout.multiplies_out:
             return self.dense_dir
         assert self.decomposed_dir is not None, "skip_reason() rules out factored layouts without factors"
         return self.decomposed_dir
 
     def skip_reason(self, layout: Layout, kv_cache: CacheKind) -> str | None:
         """Why a (layout, KV cache) pair does not apply to this model; None when it does."""
-        if layout is not Layout.DENSE and self.decomposed_dir is None:
+        if not layout.multiplies_out and self.decomposed_dir is None:
             return (f"{self.name} is a dense folder; the {layout.value} layout needs a decomposed one "
                     "(make it with `deinfer-megatron decompose`)")
         if kv_cache is CacheKind.LATENT and not layout.supports_latent_cache:

@@ -75,7 +75,7 @@ def build_stage(
 
     layout = Layout.parse(layout)
     check_parallel_sizes(arch, groups.tp_size, groups.pp_size)
-    built_ranks = RankConfig.dense(arch) if layout is Layout.DENSE else rank_config
+    built_ranks = RankConfig.dense(arch) if layout.multiplies_out else rank_config
     config = transformer_config(arch, tp=groups.tp_size, pp=groups.pp_size, dtype=dtype)
     spec = decomposed_block_spec(config, built_ranks, layout, pp_rank=groups.pp_rank)
     vocab = padded_vocab_size(arch.vocab_size, groups.tp_size)
@@ -129,9 +129,9 @@ def load_weights(stage: Stage, source: Mapping[str, Any], source_ranks: RankConf
 
     Under the dense layout a decomposed source is multiplied out (``W = U·V``) on the fly.
     """
-    if stage.layout is Layout.DENSE and source_ranks.modules:
+    if stage.layout.multiplies_out and source_ranks.modules:
         source = MultipliedOut(source, source_ranks)
-    elif stage.layout is not Layout.DENSE and dict(source_ranks.modules) != dict(stage.rank_config.modules):
+    elif not stage.layout.multiplies_out and dict(source_ranks.modules) != dict(stage.rank_config.modules):
         raise ValueError("the checkpoint's rank config differs from the one the model was built with")
     load_stage(
         stage.model,

@@ -41,6 +41,12 @@ class Layout(str, Enum):
         return FACTOR_CLASSES[self]
 
     @property
+    def multiplies_out(self) -> bool:
+        """No factor classes: every block is Megatron's dense layer, and a decomposed checkpoint
+        is served with its factors multiplied out (``W = U·V``) at load time."""
+        return FACTOR_CLASSES[self] is None
+
+    @property
     def supports_latent_cache(self) -> bool:
         """The latent KV cache needs every latent whole on every rank: a layout whose merged
         q/k/v down factor leaves them so (its ``full_latents``)."""
