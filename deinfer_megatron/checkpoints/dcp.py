@@ -7,13 +7,16 @@ each requested tensor is allocated at its saved global shape and ``torch.distrib
 fills it with ``no_dist=True`` — it stitches together the chunks that every saving rank wrote.
 
 torch unpickles ``.metadata`` with plain ``pickle``, which runs whatever code the file names.
-Here it is unpickled with an allowlist of DCP's own metadata classes, ``torch.Size`` and dtypes
-(the chunks are read with ``weights_only=True`` by torch itself), so reading a checkpoint never
-runs code from it — the same promise ``megatron_args.load_pickle`` keeps for ``common.pt``.
+Here it is unpickled with an allowlist — DCP's own metadata dataclasses and enums,
+``torch.Size``, dtypes and paths — while torch reads the chunks with ``weights_only=True``, so
+reading a checkpoint never runs code from it (``megatron_args.load_pickle`` keeps the same
+promise for ``common.pt``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import importlib
 import pickle
 import warnings
@@ -22,13 +25,15 @@ from typing import Any
 
 import torch
 
-# Modules whose classes (not functions) may appear in DCP metadata.
+# Modules whose dataclasses and enums (no other classes, no functions) may appear in DCP metadata.
 _METADATA_MODULES = frozenset({
     "torch.distributed.checkpoint.metadata",
     "torch.distributed.checkpoint.planner",
     "torch.distributed.checkpoint.filesystem",
 })
-_ALLOWED_FUNCTIONS = {("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+# Harmless callables DCP metadata is pickled with (torch's own writer stores the folder as a path).
+_ALLOWED_FUNCTIONS = {("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                      ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -42,7 +47,8 @@ class _MetadataUnpickler(pickle.Unpickler):
                 return getattr(torch, name)
             if module in _METADATA_MODULES:
                 found = getattr(importlib.import_module(module), name, None)
-                if isinstance(found, type) and found.__module__ == module:
+                if (isinstance(found, type) and found.__module__ == module
+                        and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum))):
                     return found
         raise pickle.UnpicklingError(f"'{module}.{name}' is not part of checkpoint metadata")
 

@@ -6,6 +6,9 @@ what each module is. ``load_stage`` routes every source tensor through ``NameMap
 parameter's loader and checks that every parameter of the stage was filled completely.
 Loaders are looked up when loading, never stored on parameters (``to_empty`` drops them).
 
+The fused layouts (Megatron's QKV groups, the gated fc1's ``[gate; up]`` per rank) are
+``megatron_layout``'s, shared with the reader of Megatron checkpoints, which undoes them.
+
 A *source* is any mapping from Hugging Face names to tensors or lazily-read slices (an
 in-memory state dict, or safetensors files opened with ``safe_open``): loaders slice before
 reading, so a rank never materialises another rank's shard of a large matrix.
