@@ -6,6 +6,9 @@ what each module is. ``load_stage`` routes every source tensor through ``NameMap
 parameter's loader and checks that every parameter of the stage was filled completely.
 Loaders are looked up when loading, never stored on parameters (``to_empty`` drops them).
 
+The fused layouts (Megatron's QKV groups, the gated fc1's ``[gate; up]`` per rank) are
+``megatron_layout``'s, shared with the reader of Megatron checkpoints, which undoes them.
+
 A *source* is any mapping from Hugging Face names to tensors or lazily-read slices (an
 in-memory state dict, or safetensors files opened with ``safe_open``): loaders slice before
 reading, so a rank never materialises another rank's shard of a large matrix.
@@ -21,6 +24,7 @@ from torch import nn
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 
 from deinfer_megatron.checkpoints.hf_names import NameMap, embedding_name
+from deinfer_megatron.checkpoints.megatron_layout import OPT_POSITION_OFFSET, gated_rows, qkv_pieces
 from deinfer_megatron.layers.dense import CountedRowParallelLinear
 from deinfer_megatron.layers.factors import read_block
 from deinfer_megatron.arch.model import ModelArch
@@ -28,7 +32,6 @@ from deinfer_megatron.parallel.topology import Span, TPView, balanced_split
 from deinfer_megatron.specs.rank_config import RankConfig
 
 Loader = Callable[[nn.Parameter, Any, Any], None]
-OPT_POSITION_OFFSET = 2  # OPT's learned positions start at row 2 of embed_positions
 
 
 def _replicated(param: nn.Parameter, source: Any, shard: Any) -> None:
@@ -60,26 +63,18 @@ def _stacked(span: Span) -> Loader:
     """Gated fc1 (Megatron ``stride=2``): this rank holds ``[gate[span]; up[span]]``."""
 
     def load(param: nn.Parameter, source: Any, shard: Any) -> None:
-        base = int(shard) * span.size
-        param.data[base : base + span.size].copy_(read_block(source, span.slice))
+        dst, src = gated_rows(span, shard)
+        param.data[dst].copy_(read_block(source, src))
 
     return load
 
 
 def _fused_qkv(arch: ModelArch, tp: TPView) -> Loader:
     """Megatron's fused QKV: per local query group g, ``[q heads of g; k_g; v_g]``."""
-    d, per_group = arch.head_dim, arch.num_heads // arch.num_kv_heads
     groups = balanced_split(arch.num_kv_heads, tp)
-    block = (per_group + 2) * d
 
     def load(param: nn.Parameter, source: Any, shard: Any) -> None:
-        for j, g in enumerate(range(groups.start, groups.stop)):
-            base = j * block
-            if shard == "q":
-                dst, src = slice(base, base + per_group * d), slice(g * per_group * d, (g + 1) * per_group * d)
-            else:
-                at = base + per_group * d + (0 if shard == "k" else d)
-                dst, src = slice(at, at + d), slice(g * d, (g + 1) * d)
+        for dst, src in qkv_pieces(arch, groups, shard):
             param.data[dst].copy_(read_block(source, src))
 
     return load

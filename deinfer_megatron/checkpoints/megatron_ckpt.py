@@ -9,13 +9,16 @@ tensors. Two formats are read:
   Megatron's layouts: fused QKV rows are the query groups ``[q heads of g; k_g; v_g]`` in order
   (also when there are fewer groups than TP ranks), each rank's gated fc1 is ``[gate_r; up_r]``,
   row-parallel weights split their input dimension, the vocabulary splits rows.
-- ``dist`` (Megatron-Core ``dist_checkpointing``, ``--ckpt-format torch_dist``): the checkpoint
-  is independent of TP/PP, so a dense single-process ``GPTModel`` (Megatron's local spec) is
-  built and ``dist_checkpointing.load`` fills it; Megatron's own sharding factories undo the
-  layouts.
+- ``dist`` (Megatron-Core ``dist_checkpointing``, ``--ckpt-format torch_dist``): PyTorch
+  Distributed Checkpoint files holding every tensor under its *global* shape, independent of
+  TP/PP (Megatron's sharding factories wrote the dense ``[gate; up]`` fc1). They are read in this
+  process with no process group (``dcp.read_dcp_tensors``) — a file reader starts no
+  distributed world — and Megatron's key conventions are undone here: stacked layers, per-layer
+  keys, fc1 ``_w``/``_v`` halves, Transformer Engine norm names.
 
 Both give one dense Megatron state dict (local-spec names, global layer numbers), which
-``megatron_to_hf`` converts by a pure name/slice table.
+``megatron_layout.megatron_to_hf`` converts with the layouts the shard loaders use and the
+names of the ``hf_names`` table.
 """
 
 from __future__ import annotations
@@ -35,7 +38,10 @@ from deinfer_megatron.checkpoints.megatron_args import (
     load_pickle,
     pickle_allowlist,
 )
-from deinfer_megatron.arch.model import ModelArch, transformer_config
+from deinfer_megatron.arch.model import ModelArch
+from deinfer_megatron.checkpoints.dcp import read_dcp_tensors
+from deinfer_megatron.checkpoints.megatron_layout import gated_rows, megatron_shapes, megatron_to_hf
+from deinfer_megatron.parallel.topology import Span
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
@@ -46,6 +52,8 @@ _TE_NORMS = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
+__all__ = ["detect_megatron_checkpoint", "megatron_to_hf", "read_megatron_checkpoint"]
+_MODEL_KEYS = ("embedding.", "decoder.", "output_layer.")  # GPTModel's own tensors (not optimizer.*)
 _EXPECTED = "a Megatron checkpoint folder: latest_checkpointed_iteration.txt + iter_NNNNNNN/ holding " \
     f"mp_rank_XX[_YYY]/{MODEL_FILE} (torch) or metadata.json + common.pt + *.distcp (torch_dist)"
 
@@ -171,12 +179,26 @@ def _merge_tp(shards: list[Mapping[str, Any]], layer_offset: int) -> dict[str, t
             out[name] = torch.cat(parts, 0)
         elif rule == "cols":
             out[name] = torch.cat(parts, 1)
-        elif rule == "gated":  # each rank holds [gate_r; up_r] (Megatron stride 2)
-            halves = [p.chunk(2, 0) for p in parts]
-            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+        elif rule == "gated":
+            out[name] = _merge_gated(parts)
         else:
             out[name] = parts[0].clone()  # replicated; a copy frees the memory-mapped file
     return out
+
+
+def _merge_gated(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The TP ranks' gated fc1 shards (each ``[gate_r; up_r]``) → the dense ``[gate; up]``."""
+    size = sum(p.shape[0] for p in parts) // 2
+    merged = parts[0].new_empty((2 * size, *parts[0].shape[1:]))
+    start = 0
+    for part in parts:
+        span = Span(size, start, start + part.shape[0] // 2)
+        for shard in (0, 1):
+            rank_rows, hf_rows = gated_rows(span, shard)
+            dense_rows, _ = gated_rows(Span.whole(size), shard)
+            merged[dense_rows.start + hf_rows.start : dense_rows.start + hf_rows.stop] = part[rank_rows]
+        start = span.stop
+    return merged
 
 
 def _model_of(ckpt: Any, file: Path) -> Mapping[str, Any]:
@@ -231,150 +253,61 @@ def _read_torch(folder: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
     return dataclasses.replace(arch, vocab_size=padded), dense
 
 
-# --- dist format: dist_checkpointing.load into a dense single-process GPTModel -------------------
+# --- dist format: PyTorch Distributed Checkpoint files read in this process ---------------------
 
 def _read_dist(folder: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
     meta = json.loads((folder / "metadata.json").read_text())
     if meta.get("sharded_backend") != "torch_dist":
         raise ValueError(
             f"{folder} is a '{meta.get('sharded_backend')}' distributed checkpoint; only 'torch_dist' is "
-            "supported (convert it with Megatron-LM's --ckpt-convert-format torch_dist)"
+            "supported (convert it with Megatron-LM's --ckpt-format torch_dist)"
         )
     arch = _checked_arch(load_pickle(folder / "common.pt"), folder)
-    return _load_dist(folder, arch)
-
-
-def _load_dist(folder: Path, arch: ModelArch) -> tuple[ModelArch, dict[str, torch.Tensor]]:
-    """Run ``_load_dist_dense`` in a private one-rank gloo world (torch.distributed and
-    Megatron's parallel state are torn down afterwards). Inside a running distributed job a
-    private world cannot be made without the other ranks, so one child process does it."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        from deinfer_megatron.launch.local import spawn_local
-
-        return spawn_local(1, _load_dist, folder, arch)[0]
-    from deinfer_megatron import patches
-
-    patches.apply_all()
-    from megatron.core import parallel_state
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        parallel_state.initialize_model_parallel(1, 1)
-        return _load_dist_dense(folder, arch)
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
-def _alternative_key(key: str, present: set[str]) -> str:
-    """The checkpoint's name for ``key``: norms are saved under Transformer Engine's fused names
-    by TE and by Megatron's local spec (its ``sharded_state_dict_keys_map``), under module names
-    by specs without that map."""
-    for te, local in _TE_NORMS.items():
-        for a, b in ((te, local), (local, te)):
-            if a in key and key.replace(a, b) in present:
-                return key.replace(a, b)
-    return key
-
-
-def _load_dist_dense(folder: Path, arch: ModelArch) -> tuple[ModelArch, dict[str, torch.Tensor]]:
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    saved = dist_checkpointing.load_tensors_metadata(str(folder))
-    if "embedding.word_embeddings.weight" not in saved:
+    dense = _unstacked(read_dcp_tensors(folder, _MODEL_KEYS), arch, folder)
+    if "embedding.word_embeddings.weight" not in dense:
         raise ValueError(f"{folder} holds no embedding.word_embeddings.weight; it is not a GPTModel checkpoint")
-    padded = saved["embedding.word_embeddings.weight"].global_shape[0]
-    with torch.device("meta"):
-        model = GPTModel(
-            transformer_config(arch, tp=1, pp=1),
-            get_gpt_layer_local_spec(normalization="RMSNorm"),
-            vocab_size=padded,
-            max_sequence_length=arch.max_positions,
-            share_embeddings_and_output_weights=arch.tied_embeddings,
-            position_embedding_type="rope",
-            rotary_base=arch.rope_theta,
-            pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-        )
-    model.to_empty(device="cpu")
-    # How the layers were keyed when saved: one stacked tensor per parameter (default) or one
-    # per layer; gated fc1 as one tensor or as separate _w/_v halves.
-    metadata = {
-        "non_homogeneous_layers": any(re.match(r"decoder\.layers\.\d+\.", k) for k in saved),
-        "singleton_local_shards": any(k.endswith("linear_fc1.weight_w") for k in saved),
-    }
-    request = {k: v for k, v in model.sharded_state_dict(metadata=metadata).items() if not isinstance(v, ShardedObject)}
-    present = set(saved)
-    for value in request.values():
-        if isinstance(value, ShardedTensor):
-            value.key = _alternative_key(value.key, present)
-    tensors = [v for v in request.values() if isinstance(v, ShardedTensor)]
-    missing = sorted(v.key for v in tensors if v.key not in present)
-    if missing:
-        raise ValueError(f"{folder} lacks tensors its args imply, e.g. {missing[:3]}; it does not match its own args")
-    for v in tensors:
-        if tuple(saved[v.key].global_shape) != tuple(v.global_shape) and not v.allow_shape_mismatch:
-            raise ValueError(f"{folder}: '{v.key}' has shape {tuple(saved[v.key].global_shape)}, its args imply "
-                             f"{tuple(v.global_shape)}; the checkpoint does not match its own args")
-    with torch.serialization.safe_globals(pickle_allowlist(folder / "common.pt")):
-        loaded = dist_checkpointing.load(request, str(folder))
-    return dataclasses.replace(arch, vocab_size=padded), {k: loaded[k] for k in request}
+    arch = dataclasses.replace(arch, vocab_size=dense["embedding.word_embeddings.weight"].shape[0])
+    _check_shapes(dense, arch, folder)
+    return arch, dense
 
 
-# --- dense Megatron names → Hugging Face names -----------------------------------------------------
+def _unstacked(saved: Mapping[str, torch.Tensor], arch: ModelArch, folder: Path) -> dict[str, torch.Tensor]:
+    """Megatron's dist-checkpoint keys → dense local-spec names with global layer numbers.
 
-def megatron_to_hf(dense: Mapping[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
-    """A dense (TP=1) Megatron ``GPTModel`` state dict → Hugging Face LLaMA/Qwen2 tensors (float32).
-
-    The vocabulary is cut to ``arch.vocab_size`` rows; an ``output_layer.weight`` of a tied
-    model (a pipeline copy of the embedding) is dropped.
-    """
-    src = dict(dense)
-
-    def take(name: str) -> torch.Tensor:
-        if name not in src:
-            raise ValueError(f"the checkpoint lacks '{name}', which its args imply; it does not match its own args")
-        return src.pop(name).to(torch.float32)
-
-    d, per_group, groups = arch.head_dim, arch.num_heads // arch.num_kv_heads, arch.num_kv_heads
-    v = arch.vocab_size
-    out = {"model.embed_tokens.weight": take("embedding.word_embeddings.weight")[:v].clone()}
-    for i in range(arch.num_layers):
-        meg, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for suffix in ("weight", "bias") if arch.qkv_bias else ("weight",):
-            qkv = take(f"{meg}self_attention.linear_qkv.{suffix}")
-            _check_rows(f"{meg}self_attention.linear_qkv.{suffix}", qkv, groups * (per_group + 2) * d)
-            blocks = qkv.reshape(groups, (per_group + 2) * d, -1)
-            q, k, val = blocks.split([per_group * d, d, d], 1)
-            for role, t in (("q", q), ("k", k), ("v", val)):
-                out[f"{hf}self_attn.{role}_proj.{suffix}"] = t.reshape(-1, *qkv.shape[1:]).clone()
-        out[f"{hf}self_attn.o_proj.weight"] = take(f"{meg}self_attention.linear_proj.weight")
-        fc1 = take(f"{meg}mlp.linear_fc1.weight")
-        _check_rows(f"{meg}mlp.linear_fc1.weight", fc1, 2 * arch.ffn_hidden_size)
-        gate, up = fc1.chunk(2, 0)
-        out[f"{hf}mlp.gate_proj.weight"], out[f"{hf}mlp.up_proj.weight"] = gate.clone(), up.clone()
-        out[f"{hf}mlp.down_proj.weight"] = take(f"{meg}mlp.linear_fc2.weight")
-        out[f"{hf}input_layernorm.weight"] = take(f"{meg}input_layernorm.weight")
-        out[f"{hf}post_attention_layernorm.weight"] = take(f"{meg}pre_mlp_layernorm.weight")
-    out["model.norm.weight"] = take("decoder.final_layernorm.weight")
-    if arch.tied_embeddings:
-        src.pop("output_layer.weight", None)
-    else:
-        out["lm_head.weight"] = take("output_layer.weight")[:v].clone()
-    if src:
-        raise ValueError(f"the checkpoint has tensors its args do not explain, e.g. {sorted(src)[:3]}; check its args")
-    for module, shape in arch.linear_shapes().items():
-        if tuple(out[f"{module}.weight"].shape) != shape:
-            got = tuple(out[f"{module}.weight"].shape)
-            raise ValueError(f"{module}.weight has shape {got}, but the checkpoint's args imply {shape}")
+    Layers are saved either stacked (``decoder.layers.<name>``, the layer as the first axis: the
+    default) or one key per layer (``decoder.layers.<i>.<name>``); a gated fc1 as one tensor
+    ``[gate; up]`` or as ``weight_w`` (gate) and ``weight_v`` (up) halves
+    (``singleton_local_shards``); norms under Transformer Engine's fused names or the local
+    spec's (see ``_TE_NORMS``)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in saved.items():
+        if _LAYER.fullmatch(key) or not key.startswith("decoder.layers."):
+            out[_global_name(key, 0)] = tensor
+            continue
+        if tensor.shape[0] != arch.num_layers:
+            raise ValueError(f"{folder} holds {tensor.shape[0]} layers of '{key}' but its args say "
+                             f"num_layers={arch.num_layers}")
+        rest = key.removeprefix("decoder.layers.")
+        for i, layer in enumerate(tensor.unbind(0)):  # copies: a layer owns its memory
+            out[_global_name(f"decoder.layers.{i}.{rest}", 0)] = layer.clone()
+    for name in [n for n in out if n.endswith(("_w", "_v"))]:
+        base = name[:-2]
+        if base.endswith(".linear_fc1.weight") and name in out:
+            gate, up = out.pop(f"{base}_w", None), out.pop(f"{base}_v", None)
+            if gate is None or up is None:
+                raise ValueError(f"{folder} holds only one half of '{base}' (weight_w/weight_v); the checkpoint "
+                                 "is incomplete")
+            out[base] = torch.cat([gate, up])
     return out
 
 
-def _check_rows(name: str, t: torch.Tensor, rows: int) -> None:
-    if t.shape[0] != rows:
-        raise ValueError(f"'{name}' has {t.shape[0]} rows but the args imply {rows}; the checkpoint contradicts them")
+def _check_shapes(dense: Mapping[str, torch.Tensor], arch: ModelArch, folder: Path) -> None:
+    """Every tensor the args imply is there, with the shape they imply."""
+    shapes = megatron_shapes(arch)
+    missing = sorted(n for n, (_, required) in shapes.items() if required and n not in dense)
+    if missing:
+        raise ValueError(f"{folder} lacks tensors its args imply, e.g. {missing[:3]}; it does not match its own args")
+    wrong = [f"'{n}' has shape {tuple(dense[n].shape)}, its args imply {shape}"
+             for n, (shape, _) in shapes.items() if n in dense and tuple(dense[n].shape) != shape]
+    if wrong:
+        raise ValueError(f"{folder}: {'; '.join(wrong[:3])}; the checkpoint does not match its own args")

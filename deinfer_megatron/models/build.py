@@ -1,7 +1,8 @@
 """Build one pipeline stage of a (decomposed) ``GPTModel`` and load it.
 
 The stage is constructed on the meta device and then given empty local storage
-(``to_empty``): only this rank's shards are ever allocated, and the checkpoint loaders fill
+(``to_empty``) on the device the job runs on (``ParallelGroups.device``: this rank's GPU under
+NCCL, else the CPU): only this rank's shards are ever allocated, and the checkpoint loaders fill
 them. Megatron's ``GPTModel`` is used as is; only the decoder-block spec is ours.
 """
 
@@ -35,6 +36,11 @@ class Stage:
     num_local_layers: int
     padded_vocab: int
     runner: Any = None  # what forward calls go through when not the model itself (DeepSpeed)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the stage's parameters, inputs and pipeline buffers live."""
+        return self.groups.device
 
 
 def check_parallel_sizes(arch: ModelArch, tp: int, pp: int) -> None:
@@ -94,7 +100,7 @@ def build_stage(
             rotary_base=arch.rope_theta if arch.family != "opt" else 10000,
             pg_collection=groups.pg_collection,
         )
-    model.to_empty(device="cpu")
+    model.to_empty(device=groups.device)
     model.eval()
     model.requires_grad_(False)
     return Stage(

@@ -3,6 +3,8 @@
 Megatron's pipeline schedules are built for training and need CUDA; inference only needs each
 stage to receive the previous stage's hidden states, run its layers, and pass them on. Every
 rank knows the token ids (they are the same on all ranks), hence the shape it will receive.
+Inputs are moved to the stage's device and buffers are allocated there, so callers may hand in
+CPU token ids whatever the device; logits come back on the stage's device.
 """
 
 from __future__ import annotations
@@ -25,15 +27,19 @@ def stage_forward(
 ) -> torch.Tensor | None:
     """Run this stage on ``input_ids [b, s]``.
 
-    Returns the logits ``[b, s, vocab]`` (vocabulary padding removed) on the last stage and
-    None on the others, which send their hidden states ``[s, b, h]`` to the next stage.
+    Returns the logits ``[b, s, vocab]`` (vocabulary padding removed, on ``stage.device``) on
+    the last stage and None on the others, which send their hidden states ``[s, b, h]`` to the
+    next stage.
     """
     groups = stage.groups
     model = stage.runner if stage.runner is not None else stage.model
+    input_ids, position_ids = input_ids.to(stage.device), position_ids.to(stage.device)
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(stage.device)
     if not groups.is_first_stage:
         b, s = input_ids.shape
         hidden = comm.recv_from((s, b, stage.arch.hidden_size), stage.model.config.params_dtype,
-                                input_ids.device, groups.prev_rank)
+                                stage.device, groups.prev_rank)
         stage.model.set_input_tensor(hidden)
     with torch.inference_mode():
         out = model(
@@ -50,10 +56,11 @@ def stage_forward(
 
 
 def broadcast_from_last_stage(stage: Stage, tensor: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """Give every rank the last stage's ``tensor`` (shape and dtype of ``like``)."""
+    """Give every rank the last stage's ``tensor`` (shape and dtype of ``like``), on the
+    stage's device."""
     groups = stage.groups
     if groups.pp_size == 1:
         assert tensor is not None, "a single stage is the last stage"
         return tensor
-    buf = tensor if groups.is_last_stage else torch.empty_like(like)
+    buf = tensor.to(stage.device) if groups.is_last_stage else torch.empty_like(like, device=stage.device)
     return comm.broadcast_from(buf, groups.last_stage_rank, groups.pg_collection.pp)

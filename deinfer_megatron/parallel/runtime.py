@@ -1,7 +1,9 @@
-"""Joining the ranks: torch.distributed (gloo on CPU) plus Megatron's TP/PP groups.
+"""Joining the ranks: torch.distributed (NCCL on GPUs, gloo on CPU) plus Megatron's TP/PP groups.
 
 The groups are created once by ``megatron.core.parallel_state`` and then handed around as an
-explicit ``ParallelGroups`` value — layers never read Megatron's globals themselves.
+explicit ``ParallelGroups`` value — layers never read Megatron's globals themselves. The value
+also says where this rank's tensors live (``device``): its own GPU under NCCL (one per local
+rank, ``LOCAL_RANK``), else the CPU — models are built there and pipeline buffers allocated there.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class ParallelGroups:
     pp_rank: int
     pp_size: int
     pg_collection: Any  # megatron.core.process_groups_config.ProcessGroupCollection
+    device: torch.device = torch.device("cpu")  # where this rank's model and buffers live
 
     @property
     def global_rank(self) -> int:
@@ -54,7 +57,26 @@ class ParallelGroups:
 
 
 def default_backend() -> str:
+    """NCCL where CUDA is available, gloo otherwise."""
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def job_device() -> torch.device:
+    """Where this rank computes: CUDA's current device when CUDA is available and the job's
+    backend is NCCL, else the CPU (a gloo job stays on the CPU even on a GPU machine)."""
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _select_gpu(rank: int) -> None:
+    """One GPU per local rank (``LOCAL_RANK``, set by every launcher; else rank modulo the
+    GPUs of this machine), chosen before NCCL's communicators bind to a device."""
+    local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+    if local >= torch.cuda.device_count():
+        raise RuntimeError(f"local rank {local} has no GPU of its own ({torch.cuda.device_count()} visible); "
+                           "start at most one rank per GPU on each node")
+    torch.cuda.set_device(local)
 
 
 def init_parallel(tp: int, pp: int, *, timeout_s: float = 300.0) -> ParallelGroups:
@@ -71,8 +93,13 @@ def init_parallel(tp: int, pp: int, *, timeout_s: float = 300.0) -> ParallelGrou
     if not dist.is_initialized():
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend=default_backend(), rank=rank, world_size=world,
+        backend = default_backend()
+        if backend == "nccl":
+            _select_gpu(rank)
+        dist.init_process_group(backend=backend, rank=rank, world_size=world,
                                 timeout=timeout, store=local_store(rank, world, timeout))
+    elif dist.get_backend() == "nccl" and "LOCAL_RANK" in os.environ:
+        _select_gpu(dist.get_rank())  # a launcher (DeepSpeed, torchrun) joined the ranks already
     world = dist.get_world_size()
     if tp * pp != world:
         raise RuntimeError(
@@ -86,12 +113,20 @@ def init_parallel(tp: int, pp: int, *, timeout_s: float = 300.0) -> ParallelGrou
         pipeline_model_parallel_size=pp,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
     )
+    device = job_device()
+    if device.type == "cuda":
+        # Megatron's attention forks its CUDA RNG tracker (for dropout), which needs its states;
+        # the inference tracker of Megatron's own, as on CPU (patches.megatron_cpu).
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
     return ParallelGroups(
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         tp_size=tp,
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         pp_size=pp,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        device=device,
     )
 
 

@@ -3,7 +3,9 @@
 ``apply_all()`` is called by the project before a model is built or a process group is
 initialised; ``deepspeed_cpu.apply()`` is called before DeepSpeed initialises (it imports
 DeepSpeed, so it is not paid for when DeepSpeed is not used). Every shim checks for CUDA
-itself: on a GPU machine nothing is patched.
+itself: on a GPU machine nothing is patched. Where it does patch, it first checks the installed
+version (``versions.require_version``: a one-line ``RuntimeError`` naming the fix), and it acts
+only inside the upstream functions it covers — ``torch.cuda`` stays torch's own elsewhere.
 """
 
 from __future__ import annotations
