@@ -36,7 +36,6 @@ from deinfer_megatron.checkpoints.megatron_args import (
     check_checkpoint_version,
     hf_config,
     load_pickle,
-    pickle_allowlist,
 )
 from deinfer_megatron.arch.model import ModelArch
 from deinfer_megatron.checkpoints.dcp import read_dcp_tensors

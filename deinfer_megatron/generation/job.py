@@ -165,7 +165,7 @@ def _streamer(tokenizer: Any) -> Any:
 
 def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | None:
     from deinfer_megatron.generation.context import GenerationContext, describe, slot_length
-    from deinfer_megatron.generation.loop import generate_tokens, stage_device
+    from deinfer_megatron.generation.loop import generate_tokens
     from deinfer_megatron.generation.megatron_engine import engine_supports, generate_with_engine
     from deinfer_megatron.models.build import load_folder
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
@@ -202,7 +202,7 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
         if job.stream and reporter:
             sys.stdout.write("\n")
         allocated = describe(context)
-        peak = torch.tensor([allocated["kv_cache_bytes"]], dtype=torch.float64, device=stage_device(stage))
+        peak = torch.tensor([allocated["kv_cache_bytes"]], dtype=torch.float64, device=stage.device)
         comm.max_over_world(peak)
     finally:
         shutdown()

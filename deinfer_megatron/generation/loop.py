@@ -42,12 +42,6 @@ class Timing:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def stage_device(stage: Stage) -> torch.device:
-    """Where this rank's stage lives (its parameters' device): every tensor generation makes for
-    it goes there, so a CUDA stage is fed CUDA tensors and a CPU one stays on the CPU."""
-    return next(stage.model.parameters()).device
-
-
 def _forward(stage: Stage, tokens: torch.Tensor, start: int, context: GenerationContext) -> torch.Tensor | None:
     pos = torch.arange(start, start + tokens.shape[1], device=tokens.device).expand_as(tokens)
     logits = stage_forward(stage, tokens, pos, inference_context=context)
@@ -80,7 +74,7 @@ def generate_tokens(
     batch = len(prompts)
     lengths = [len(p) for p in prompts]
     total = max(lengths) + max_new_tokens
-    device = stage_device(stage)
+    device = stage.device
     tokens = torch.zeros(batch, total, dtype=torch.long, device=device)
     for row, p in enumerate(prompts):
         tokens[row, : len(p)] = torch.tensor(list(p), device=device)

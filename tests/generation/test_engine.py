@@ -28,7 +28,7 @@ def _engine_checks(model: str) -> dict:
     from megatron.core.inference.engines import static_engine
 
     from deinfer_megatron.generation.context import GenerationContext
-    from deinfer_megatron.generation.loop import generate_tokens, stage_device
+    from deinfer_megatron.generation.loop import generate_tokens
     from deinfer_megatron.generation.megatron_engine import ReportingController, generate_with_engine
     from deinfer_megatron.generation.sampling import SamplingParams
     from deinfer_megatron.models.build import load_folder
@@ -53,7 +53,7 @@ def _engine_checks(model: str) -> dict:
             "seed_unchanged": stage.model.config.inference_sampling_seed == seed_before,
             "tqdm_untouched": static_engine.tqdm is bar, "no_progress_bar": "static requests" not in stderr.getvalue(),
             "first_step_is_instance_state": "first_step_at" not in vars(ReportingController),
-            "device": str(stage_device(stage)),
+            "device": str(stage.device),
         }
     finally:
         shutdown()

@@ -8,7 +8,6 @@ TP=2, and a batch of ragged prompts equal to the prompts one at a time.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -49,6 +49,7 @@ def parity_worker(tp: int, pp: int, families: list[str], layouts: list[str]) -> 
                 load_weights(stage, state, rank_config)
                 with comm.recording() as ledger:
                     logits = stage_forward(stage, ids, pos)
+                    logits = None if logits is None else logits.cpu()  # the reference runs on the CPU
                 entry: dict[str, Any] = {
                     "ranks": ranks,
                     "collectives": [
