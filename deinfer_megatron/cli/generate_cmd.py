@@ -91,7 +91,7 @@ def config_from_args(args: argparse.Namespace) -> GenerateConfig:
         engine=args.engine, own_loop=args.own_loop, dtype=args.dtype,
         stream=len(prompts) == 1 and not args.json, verify=args.verify)
     return GenerateConfig(job=job, launcher=args.launcher, json=args.json,
-                          rerun_argv=tuple(_without_launcher(list(args.argv))))
+                          rerun_argv=tuple(_without_launcher(list(getattr(args, "argv", ())))))
 
 
 def _without_launcher(argv: list[str]) -> list[str]:

@@ -60,8 +60,8 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 def run(argv: Sequence[str] | None = None) -> int:
     command, args = "deinfer-megatron", None
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        signal.signal(signal.SIGTERM, _on_sigterm)
         _quiet_known_warnings()
         from deinfer_megatron.cli.output import stdout_reserved_for_json
 
@@ -84,6 +84,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         print(f"{command}: error: {message}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)  # a caller's own handling of SIGTERM comes back
 
 
 if __name__ == "__main__":
