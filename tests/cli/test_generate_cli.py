@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
-from tests.helpers.tiny_models import full_ranks, save_tiny_folder
+from tests.helpers.tiny_models import full_rank_folders
 
 CLI = [sys.executable, "-m", "deinfer_megatron.cli.main"]
 PROMPTS = ["It is a truth universally acknowledged", "Emma Woodhouse, handsome, clever"]
@@ -22,10 +21,7 @@ PROMPTS = ["It is a truth universally acknowledged", "Emma Woodhouse, handsome, 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("cli-gen")
-    hf = save_tiny_folder("llama", root / "dense", max_position_embeddings=4096)
-    (root / "ranks.json").write_text(json.dumps(full_ranks(hf)))
-    dec = run_decompose(DecomposeJob(root / "dense", "svd", rank_config=root / "ranks.json", out=root / "dec"))
+    hf, dense, dec = full_rank_folders(tmp_path_factory.mktemp("cli-gen"), max_position_embeddings=4096)
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(dec)
@@ -35,7 +31,7 @@ def models(tmp_path_factory) -> dict:
         with torch.no_grad():
             out = hf.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
         expected.append(out[0, ids.shape[1]:].tolist())
-    return {"dense": root / "dense", "dec": dec, "expected": expected}
+    return {"dense": dense, "dec": dec, "expected": expected}
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -123,3 +123,18 @@ def full_ranks(model: transformers.PreTrainedModel) -> dict[str, int]:
     prefix = "model.decoder.layers" if model.config.model_type == "opt" else "model.layers"
     return {n: min(m.weight.shape) for n, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and n.startswith(prefix)}
+
+
+def full_rank_folders(root, family: str = "llama", **overrides: Any):
+    """A tiny dense folder ``root/dense`` and its lossless (full-rank, plain SVD) decomposition
+    ``root/dec``, written by the project's own ``decompose``; returns ``(hf_model, dense, dec)``."""
+    import json
+    from pathlib import Path
+
+    from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
+
+    root = Path(root)
+    hf = save_tiny_folder(family, root / "dense", **overrides)
+    (root / "ranks.json").write_text(json.dumps(full_ranks(hf)))
+    dec = run_decompose(DecomposeJob(root / "dense", "svd", rank_config=root / "ranks.json", out=root / "dec"))
+    return hf, root / "dense", dec

@@ -3,7 +3,6 @@ and decomposed (every layer, full rank: exact, so outputs can be compared)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,11 +18,8 @@ class Models:
 
 @pytest.fixture(scope="package")
 def models(tmp_path_factory) -> Models:
-    from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
-    from tests.helpers.tiny_models import full_ranks, save_tiny_folder
+    from tests.helpers.tiny_models import full_rank_folders
 
     root = tmp_path_factory.mktemp("robust-models")
-    hf = save_tiny_folder("llama", root / "dense", max_position_embeddings=4096)
-    (root / "ranks.json").write_text(json.dumps(full_ranks(hf)))
-    dec = run_decompose(DecomposeJob(root / "dense", "svd", rank_config=root / "ranks.json", out=root / "dec"))
-    return Models(root, root / "dense", dec)
+    _, dense, dec = full_rank_folders(root, max_position_embeddings=4096)
+    return Models(root, dense, dec)
