@@ -127,7 +127,7 @@ def validate(job: GenerateJob, prompt_ids: list[list[int]]) -> None:
     open_model(job.model, verify=job.verify)  # manifest, shapes
 
 
-def _bytes_per_token(stage: Any, kind: CacheKind) -> int:
+def kv_bytes_per_token(stage: Any, kind: CacheKind) -> int:
     """KV bytes one token costs on this rank (this stage's layers), from the planner; a layer
     without a latent width (a dense one) keeps full K/V under the latent cache too."""
     from deinfer_megatron.planning.plan import make_plan
@@ -177,7 +177,7 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
         stage = load_folder(job.model, par.layout, groups, dtype=job.dtype.torch, verify=False)  # prepare() verified
         tokens = slot_length(
             max(map(len, prompt_ids)) + job.max_new_tokens, max_positions=stage.arch.max_positions,
-            bytes_per_token=_bytes_per_token(stage, cache.kind), slots=len(prompt_ids),
+            bytes_per_token=kv_bytes_per_token(stage, cache.kind), slots=len(prompt_ids),
             budget_gb=cache.budget_gb)
         context = GenerationContext(len(prompt_ids), tokens, kv_cache=cache.kind,
                                     absorb_values=cache.absorb_values)

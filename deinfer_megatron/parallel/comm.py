@@ -158,3 +158,17 @@ def barrier(tp: TPView) -> None:
     """Wait until every rank of the tensor-parallel group arrives (timing, not model maths)."""
     if tp.size > 1:
         dist.barrier(group=_require_group(tp, "barrier", "barrier"))
+
+
+def broadcast_bytes(payload: bytes | None, src: int, device: torch.device) -> bytes:
+    """Every rank of the job gets global rank ``src``'s ``payload`` (a step's description from
+    the server's scheduler): its length, then its bytes. Control data, not recorded."""
+    size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.long, device=device)
+    dist.broadcast(size, src=src)
+    if dist.get_rank() == src:
+        assert payload is not None, "the source rank sends a payload"
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    else:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=src)
+    return payload if payload is not None else bytes(data.cpu().numpy().tobytes())

@@ -1,0 +1,264 @@
+"""Continuous batching on rank 0: which sequences run in the next step, and what came out.
+
+A request (one HTTP call) holds ``n`` sequences. It waits in a bounded queue until a KV slot is
+free for each of its sequences (its worst case, prompt + ``max_tokens``, always fits a slot: a
+request that could not is refused when it arrives); a full queue refuses more (HTTP 429).
+Every step decodes one token for each running sequence whose prompt is in the cache and feeds
+one chunk of at most ``prefill_chunk`` prompt tokens of one other sequence, so a long prompt
+never stalls the running ones for more than a chunk. A sequence leaves the batch as soon as it
+finishes, and its slot goes to the next waiting request at the next step; a request whose
+client went away (``cancel``) is dropped at the next step too.
+
+Text is decoded here, on rank 0 only: each sequence's ids are decoded whole after every token,
+and the new text is reported as a delta, holding back what could still turn into a ``stop``
+string (and an incomplete UTF-8 character), so the streamed deltas add up to the final text.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from deinfer_megatron.generation.sampling import SamplingParams
+from deinfer_megatron.serving.step import DecodeRow, PrefillChunk, StepPlan
+
+
+class QueueFull(RuntimeError):
+    """The wait queue holds ``--max-queue`` requests already (HTTP 429)."""
+
+
+class Draining(RuntimeError):
+    """The server is shutting down and takes no new requests (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a request's client is told: ``kind`` "text" (a delta of choice ``index``), "done"
+    (``finish_reason`` and the usage so far) or "error" (``message``)."""
+
+    kind: str
+    index: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    message: str = ""
+
+
+@dataclass
+class Request:
+    """One completion call: a prompt continued ``n`` times. ``sink`` receives its ``Event``s
+    (from the model loop's thread; it must hand them on, not block)."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: list[SamplingParams]  # one per choice
+    sink: Callable[[Event], None]
+    stop: tuple[str, ...] = ()
+    arrived: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    completion_tokens: int = 0
+    cancelled: bool = False
+
+    @property
+    def n(self) -> int:
+        return len(self.sampling)
+
+
+@dataclass
+class Sequence:
+    id: int
+    request: Request
+    index: int
+    slot: int = -1
+    prefilled: int = 0  # prompt tokens already in the cache
+    generated: list[int] = field(default_factory=list)
+    text: str = ""  # the decoded text, cut at a stop string
+    sent: int = 0  # characters of ``text`` already reported
+    finish_reason: str | None = None
+
+    @property
+    def position(self) -> int:
+        """Where the next token fed to the model sits."""
+        return len(self.request.prompt) + len(self.generated) - 1
+
+
+class Scheduler:
+    """Admission, the running batch, and turning sampled tokens into client events.
+
+    Args:
+        slots: KV slots (the most sequences running at once).
+        tokens_per_slot: tokens one slot holds.
+        max_queue: requests that may wait for slots.
+        decode: ids → text (the model's tokenizer, special tokens skipped).
+        eos_ids: tokens that end a sequence.
+        prefill_chunk: the most prompt tokens fed in one step.
+    """
+
+    def __init__(self, *, slots: int, tokens_per_slot: int, max_queue: int, decode: Callable[[list[int]], str],
+                 eos_ids: frozenset[int], prefill_chunk: int = 256) -> None:
+        self.slots, self.tokens_per_slot, self.max_queue = slots, tokens_per_slot, max_queue
+        self.decode, self.eos_ids, self.prefill_chunk = decode, eos_ids, prefill_chunk
+        self._free = list(range(slots - 1, -1, -1))
+        self._waiting: deque[Request] = deque()
+        self._running: list[Sequence] = []
+        self._ids = itertools.count()
+        self._lock = threading.Condition()
+        self._release: list[int] = []
+        self.draining = False
+        self.finished: list[Request] = []  # for the metrics, taken by ``take_finished``
+
+    # ---------------------------------------------------------------- the HTTP thread's side
+    def submit(self, request: Request) -> None:
+        """Queue ``request``; ``QueueFull`` / ``Draining`` when it cannot be taken."""
+        needed = len(request.prompt) + request.max_tokens
+        if needed > self.tokens_per_slot:
+            raise ValueError(f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) = "
+                             f"{needed} exceeds the context of {self.tokens_per_slot} tokens; shorten the "
+                             "prompt or lower max_tokens")
+        if request.n > self.slots:
+            raise ValueError(f"n = {request.n} exceeds the {self.slots} sequences the server runs at once")
+        with self._lock:
+            if self.draining:
+                raise Draining("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting already (--max-queue); retry later")
+            self._waiting.append(request)
+            self._lock.notify()
+
+    def cancel(self, request: Request) -> None:
+        """The client went away: its sequences leave at the next step."""
+        with self._lock:
+            request.cancelled = True
+            self._lock.notify()
+
+    def drain(self) -> None:
+        """Refuse new requests and the queued ones; the running ones finish."""
+        with self._lock:
+            self.draining = True
+            while self._waiting:
+                self._waiting.popleft().sink(Event("error", message="the server is shutting down"))
+            self._lock.notify()
+
+    def fail_all(self, message: str) -> None:
+        """End every request with an error (the model loop broke)."""
+        with self._lock:
+            self.draining = True
+            requests = {id(s.request): s.request for s in self._running}
+            requests.update({id(r): r for r in self._waiting})
+            self._waiting.clear()
+            self._running.clear()
+        for r in requests.values():
+            r.sink(Event("error", message=message))
+
+    # ---------------------------------------------------------------- the model loop's side
+    @property
+    def queue_length(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def slots_in_use(self) -> int:
+        return self.slots - len(self._free)
+
+    def idle(self) -> bool:
+        """Nothing to run, and (once draining) nothing will come."""
+        return not self._running and not self._waiting
+
+    def wait_for_work(self, timeout: float) -> None:
+        with self._lock:
+            if self.idle():
+                self._lock.wait(timeout)
+
+    def _finish(self, seq: Sequence, reason: str | None) -> None:
+        self._running.remove(seq)
+        self._free.append(seq.slot)
+        self._release.append(seq.id)
+        request = seq.request
+        if reason is not None:
+            seq.finish_reason = reason
+            request.sink(Event("text", seq.index, seq.text[seq.sent :]))
+            seq.sent = len(seq.text)
+            request.sink(Event("done", seq.index, finish_reason=reason))
+        if not any(s.request is request for s in self._running):
+            request.finished_at = time.perf_counter()
+            self.finished.append(request)
+
+    def next_plan(self) -> StepPlan:
+        """The next step: drop cancelled sequences, admit waiting requests, decode every running
+        sequence that has its prompt in the cache and feed one prompt chunk."""
+        plan = StepPlan()
+        with self._lock:
+            for seq in [s for s in self._running if s.request.cancelled]:
+                self._finish(seq, None)
+            while self._waiting and (self._waiting[0].cancelled or self._waiting[0].n <= len(self._free)):
+                request = self._waiting.popleft()
+                if request.cancelled:
+                    continue
+                for index, params in enumerate(request.sampling):
+                    seq = Sequence(next(self._ids), request, index, slot=self._free.pop())
+                    self._running.append(seq)
+                    plan.start[seq.id] = params
+        plan.release, self._release = self._release, []
+        for seq in self._running:
+            if seq.prefilled == len(seq.request.prompt):
+                plan.decode.append(DecodeRow(seq.id, seq.slot, seq.position, seq.generated[-1]))
+            elif plan.prefill is None:
+                prompt = seq.request.prompt
+                end = min(len(prompt), seq.prefilled + self.prefill_chunk)
+                plan.prefill = PrefillChunk(seq.id, seq.slot, seq.prefilled, tuple(prompt[seq.prefilled : end]),
+                                            last=end == len(prompt))
+        return plan
+
+    def complete(self, plan: StepPlan, tokens: list[int]) -> None:
+        """Apply what ``plan`` produced: ``tokens`` for ``plan.sampled``, in order."""
+        by_id = {s.id: s for s in self._running}
+        if plan.prefill is not None and plan.prefill.seq in by_id:
+            by_id[plan.prefill.seq].prefilled += len(plan.prefill.tokens)
+        now = time.perf_counter()
+        for seq_id, token in zip(plan.sampled, tokens):
+            seq = by_id[seq_id]
+            request = seq.request
+            request.first_token_at = request.first_token_at or now
+            request.completion_tokens += 1
+            seq.generated.append(token)
+            reason = self._advance(seq, token)
+            if reason is not None:
+                with self._lock:
+                    self._finish(seq, reason)
+
+    def _advance(self, seq: Sequence, token: int) -> str | None:
+        """Decode the new text, report what is safe to report; the finish reason, if any."""
+        request = seq.request
+        if token in self.eos_ids:
+            return "stop"
+        text = self.decode(seq.generated)
+        for stop in request.stop:
+            if stop in text:
+                seq.text = text[: text.index(stop)]
+                return "stop"
+        seq.text = text
+        if len(seq.generated) >= request.max_tokens:
+            return "length"
+        hold = max((len(s) - 1 for s in request.stop), default=0)
+        safe = len(text) - hold
+        while safe > seq.sent and text[safe - 1] == "\ufffd":  # an incomplete character
+            safe -= 1
+        if safe > seq.sent:
+            request.sink(Event("text", seq.index, text[seq.sent : safe]))
+            seq.sent = safe
+        return None
+
+    def take_finished(self) -> list[Request]:
+        done, self.finished = self.finished, []
+        return done
+
+    def describe(self) -> dict[str, Any]:
+        return {"queue": self.queue_length, "running": self.running, "slots_in_use": self.slots_in_use,
+                "slots": self.slots}

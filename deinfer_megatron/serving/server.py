@@ -1,0 +1,242 @@
+"""The ``serve`` job: every rank loads its stage and runs the step loop; rank 0 also serves HTTP.
+
+Rank 0's main thread runs the scheduler and the model loop; uvicorn runs in a thread beside it.
+Each step rank 0 sends the step's plan to the other ranks (``step.exchange_plan``), and every
+rank runs it; when nothing is to be done an empty plan goes out every second, so that the other
+ranks, waiting in the broadcast, never reach its timeout.
+
+KV memory is ``slots × tokens_per_slot`` tokens: ``--max-batch`` slots, fewer when
+``--kv-budget-gb`` holds fewer (the smallest count over the ranks, so every rank agrees).
+
+Lifetime: SIGTERM makes rank 0 refuse new and queued requests, finish the running ones, stop
+every rank and return (exit status 0); the other ranks ignore it and stop with rank 0. If the
+loop breaks (a peer died and a collective failed), ``/health`` answers 503, every in-flight
+request ends with an error, and the job fails: the command exits non-zero. Ranks this command
+starts itself are stopped by their launcher (``launch.local``) within a second of a rank's death.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deinfer_megatron.generation.options import CacheOptions, DType, Engine, Parallelism, latent_cache_layouts
+from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.launch.run import run_on_ranks
+from deinfer_megatron.serving.step import StepPlan, StepRunner, exchange_plan
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+
+
+@dataclass(frozen=True)
+class ServeJob:
+    """A server: the model, where its ranks run, its KV memory and its HTTP face."""
+
+    model: Path
+    parallel: Parallelism = field(default_factory=Parallelism)
+    cache: CacheOptions = field(default_factory=CacheOptions)
+    engine: Engine = Engine.MEGATRON
+    dtype: DType = DType.FLOAT32
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 16  # KV slots: sequences running at once
+    max_queue: int = 64  # requests waiting for slots before 429
+    max_seq_len: int | None = None  # tokens per slot; None: the model's context, at most 2048
+    served_model_name: str | None = None  # None: the folder's name
+    api_key: str | None = None
+    prefill_chunk: int = 256
+    default_max_tokens: int = 16  # OpenAI's default for completions
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "engine", Engine.parse(self.engine))
+        object.__setattr__(self, "dtype", DType.parse(self.dtype))
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).resolve().name
+
+
+def validate(job: ServeJob) -> None:
+    """What can be checked before any rank starts (the weights' manifest included)."""
+    from deinfer_megatron.checkpoints.folder import open_config, open_model
+    from deinfer_megatron.specs.layout import Layout
+
+    for name, value, least in (("--max-batch", job.max_batch, 1), ("--max-queue", job.max_queue, 0),
+                               ("--prefill-chunk", job.prefill_chunk, 1)):
+        if value < least:
+            raise ValueError(f"{name} must be at least {least}, got {value}")
+    if not 0 <= job.port <= 65535:
+        raise ValueError(f"--port must be between 0 and 65535, got {job.port}")
+    job.cache.check_budget()
+    arch, ranks = open_config(job.model, verify=job.verify)
+    if job.parallel.layout is Layout.DENSE or not ranks.modules:
+        raise ValueError("serve needs a decomposed model in the deinfer or naive layout (each request keeps "
+                         "its own positions in the decomposed attention); decompose it with "
+                         "`deinfer-megatron decompose`")
+    if job.cache.kind is CacheKind.LATENT and not job.parallel.layout.supports_latent_cache:
+        raise ValueError(f"--kv-cache latent needs --layout {latent_cache_layouts()} (whole latents on every rank)")
+    if job.max_seq_len is not None and not 1 <= job.max_seq_len <= arch.max_positions:
+        raise ValueError(f"--max-seq-len must be between 1 and the model's context of {arch.max_positions}, "
+                         f"got {job.max_seq_len}")
+    open_model(job.model, verify=job.verify)
+
+
+def kv_slots(job: ServeJob, bytes_per_token: int, tokens_per_slot: int) -> int:
+    """Slots this rank can hold: ``--max-batch``, or fewer under ``--kv-budget-gb``."""
+    if job.cache.budget_gb is None:
+        return job.max_batch
+    fits = int(job.cache.budget_gb * 2**30) // max(1, bytes_per_token * tokens_per_slot)
+    if fits < 1:
+        need = bytes_per_token * tokens_per_slot / 2**30
+        raise ValueError(f"--kv-budget-gb {job.cache.budget_gb:g} holds no slot of {tokens_per_slot} tokens "
+                         f"({need:.3g} GB each); raise --kv-budget-gb or lower --max-seq-len")
+    return min(job.max_batch, fits)
+
+
+class _Lead:
+    """Rank 0: the scheduler, the HTTP thread, and the loop that feeds both."""
+
+    def __init__(self, job: ServeJob, runner: StepRunner, slots: int, tokens_per_slot: int, kv_bytes: int) -> None:
+        import transformers
+
+        from deinfer_megatron.generation.job import eos_ids
+        from deinfer_megatron.serving.metrics import ServerMetrics
+        from deinfer_megatron.serving.scheduler import Scheduler
+
+        self.job, self.runner = job, runner
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(job.model)
+        self.tokenizer_lock = threading.Lock()  # HF tokenizers are used by two threads here
+        self.scheduler = Scheduler(slots=slots, tokens_per_slot=tokens_per_slot, max_queue=job.max_queue,
+                                   decode=self.decode, eos_ids=eos_ids(job.model, self.tokenizer),
+                                   prefill_chunk=job.prefill_chunk)
+        self.metrics = ServerMetrics(kv_bytes)
+        self.failed = False
+        self.http: Any = None
+
+    def decode(self, ids: list[int]) -> str:
+        with self.tokenizer_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def encode(self, completion: Any) -> list[int]:
+        with self.tokenizer_lock:
+            if completion.messages is None:
+                return list(self.tokenizer(completion.prompt, add_special_tokens=True)["input_ids"])
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError("this model has no chat template; use /v1/completions")
+            return list(self.tokenizer.apply_chat_template(completion.messages, add_generation_prompt=True,
+                                                           tokenize=True, return_dict=True)["input_ids"])
+
+    def start_http(self) -> None:
+        import uvicorn
+
+        from deinfer_megatron.serving.http import ServerState, build_app
+
+        state = ServerState(scheduler=self.scheduler, encode=self.encode, model_name=self.job.model_name,
+                            api_key=self.job.api_key, metrics=self.metrics,
+                            default_max_tokens=self.job.default_max_tokens, healthy=lambda: not self.failed)
+        config = uvicorn.Config(build_app(state), host=self.job.host, port=self.job.port, log_level="warning",
+                                lifespan="off", timeout_graceful_shutdown=10)
+        self.http = uvicorn.Server(config)
+        thread = threading.Thread(target=self.http.run, name="http", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not self.http.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"could not serve on {self.job.host}:{self.job.port} (is the port in use?); "
+                                   "choose another --port")
+            time.sleep(0.05)
+        self.thread = thread
+        port = self.http.servers[0].sockets[0].getsockname()[1]
+        log.info("serving %s on http://%s:%d/v1", self.job.model_name, self.job.host, port)
+
+    def stop_http(self) -> None:
+        if self.http is not None:
+            self.http.should_exit = True
+            self.thread.join(timeout=15)
+
+    def loop(self, device: Any) -> None:
+        scheduler = self.scheduler
+        while True:
+            scheduler.wait_for_work(HEARTBEAT_S)
+            plan = StepPlan(stop=True) if scheduler.draining and scheduler.idle() else scheduler.next_plan()
+            exchange_plan(plan, device)
+            if plan.stop:
+                return
+            scheduler.complete(plan, self.runner.run(plan))
+            for request in scheduler.take_finished():
+                self.metrics.observe_finished(request)
+
+    def fail(self, err: BaseException) -> None:
+        """The loop broke: health fails, every request ends with an error."""
+        self.failed = True
+        self.scheduler.fail_all(f"the model ranks failed: {type(err).__name__}: {err}")
+        time.sleep(1.0)  # the handlers send their errors before the server goes
+
+
+def _rank(job: ServeJob) -> dict[str, Any] | None:
+    import torch
+
+    from deinfer_megatron.generation.job import kv_bytes_per_token
+    from deinfer_megatron.layers.slot_cache import SlotContext
+    from deinfer_megatron.models.build import load_folder
+    from deinfer_megatron.parallel import comm
+    from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+
+    par = job.parallel
+    groups = init_parallel(par.tp, par.pp)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        stage = load_folder(job.model, par.layout, groups, dtype=job.dtype.torch, verify=False)  # validate() verified
+        tokens_per_slot = job.max_seq_len or min(stage.arch.max_positions, 2048)
+        per_token = kv_bytes_per_token(stage, job.cache.kind)
+        agreed = comm.max_over_world(torch.tensor([-kv_slots(job, per_token, tokens_per_slot),
+                                                   per_token * tokens_per_slot], dtype=torch.float64,
+                                                  device=stage.device))
+        slots, slot_bytes = int(-agreed[0].item()), int(agreed[1].item())
+        context = SlotContext(slots, tokens_per_slot, kv_cache=job.cache.kind, absorb_values=job.cache.absorb_values)
+        if job.engine is Engine.DEEPSPEED:
+            from deinfer_megatron.generation.deepspeed_engine import wrap_with_deepspeed
+
+            stage.runner = wrap_with_deepspeed(stage.model, groups, job.dtype.torch)
+        runner = StepRunner(stage, context)
+        if groups.global_rank != 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 decides when every rank stops
+            while not (plan := exchange_plan(None, stage.device)).stop:
+                runner.run(plan)
+            return None
+        lead = _Lead(job, runner, slots, tokens_per_slot, slots * slot_bytes)
+        lead.start_http()
+        signal.signal(signal.SIGTERM, lambda signum, frame: lead.scheduler.drain())
+        try:
+            lead.loop(stage.device)
+        except Exception as err:
+            lead.fail(err)
+            raise RuntimeError(f"the server stopped: {err}") from err
+        finally:
+            lead.stop_http()
+        return {"served_model_name": job.model_name, "slots": slots, "tokens_per_slot": tokens_per_slot,
+                "kv_cache_bytes": slots * slot_bytes, "drained": True}
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        shutdown()
+
+
+def prepare(job: ServeJob) -> None:
+    from deinfer_megatron.arch.model import load_arch
+
+    load_arch(job.model)  # a missing folder or config.json is named first
+    validate(job)
+
+
+def run_serve(job: ServeJob) -> dict[str, Any] | None:
+    """Serve until SIGTERM (the result on the reporting process) or until a rank fails (raises)."""
+    prepare(job)
+    return run_on_ranks(job.parallel.world, _rank, job)
