@@ -17,6 +17,7 @@ starts itself are stopped by their launcher (``launch.local``) within a second o
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import signal
 import threading
@@ -76,6 +77,9 @@ def validate(job: ServeJob) -> None:
     if not 0 <= job.port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535, got {job.port}")
     job.cache.check_budget()
+    missing = [name for name in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise RuntimeError(f"serve needs {', '.join(missing)}: pip install 'deinfer-megatron[serve]'")
     arch, ranks = open_config(job.model, verify=job.verify)
     if job.parallel.layout is Layout.DENSE or not ranks.modules:
         raise ValueError("serve needs a decomposed model in the deinfer or naive layout (each request keeps "
