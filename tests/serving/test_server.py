@@ -8,6 +8,9 @@ under load. A server start costs ~20 s, so each is used for as much as it can sh
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,9 +20,10 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers.serving import Server
+from tests.helpers.serving import ROOT, Server
 from tests.helpers.tiny_models import full_rank_folders
 
+EXAMPLE = ROOT / "examples" / "serve_client.py"
 KEY = "sk-test-key"
 WORDS = "the quick brown fox jumps over a lazy dog while seven bright stars shine above quiet hills".split()
 PROMPTS = [" ".join(WORDS[i % 5 : i % 5 + 2 + i]) for i in range(16)]
@@ -129,6 +133,18 @@ def check_flood(server: Server, api: openai.OpenAI, name: str) -> None:
     assert "deinfer_time_to_first_token_seconds_count" in metrics
 
 
+def check_example(server: Server, tokenizer, reference) -> None:
+    """examples/serve_client.py, run as a user runs it, against this server."""
+    env = {**os.environ, "DEINFER_API_KEY": KEY}
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--base-url", server.url, "--model", "tiny",
+                           "--prompt", PROMPTS[2], "--max-tokens", "6"], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["completion"] == out["streamed"] == reference(tokenizer(PROMPTS[2])["input_ids"], 6)
+    assert out["usage"]["completion_tokens"] == 6
+
+
 def check_sigterm_drains(server: Server, api: openai.OpenAI, name: str) -> None:
     streams = [api.completions.create(model=name, prompt=PROMPTS[i], max_tokens=40, temperature=0, stream=True)
                for i in range(3)]
@@ -153,13 +169,13 @@ def test_openai_client_against_tp2_server(model) -> None:
         check_stream_stop_max_tokens_seed_n_chat(api, "tiny", tokenizer, reference)
         check_bad_requests(server, api, "tiny")
         check_flood(server, api, "tiny")
+        check_example(server, tokenizer, reference)
         check_sigterm_drains(server, api, "tiny")
     finally:
         server.stop()
 
 
 def test_a_rank_killed_under_load_ends_the_server(model) -> None:
-    import os
     import signal
 
     dec, _, _, root = model
