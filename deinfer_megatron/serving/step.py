@@ -105,8 +105,12 @@ class StepRunner:
         return None if logits is None else logits[:, -1]
 
     def _sample(self, seqs: list[int], logits: torch.Tensor) -> torch.Tensor:
-        return torch.cat([sample(logits[i : i + 1], self.params[s], self.generators[s])
-                          for i, s in enumerate(seqs)])
+        """Each row with its own parameters and generator; greedy rows in one argmax."""
+        chosen = logits.argmax(dim=-1)
+        for i, s in enumerate(seqs):
+            if not self.params[s].greedy:
+                chosen[i] = sample(logits[i : i + 1], self.params[s], self.generators[s])[0]
+        return chosen
 
     def run(self, plan: StepPlan) -> list[int]:
         """The tokens drawn for ``plan.sampled``, on every rank."""

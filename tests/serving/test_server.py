@@ -20,6 +20,7 @@ import pytest
 import torch
 import transformers
 
+from deinfer_megatron.bench.serve_load import LoadSpec, make_requests, run_server_load
 from tests.helpers.serving import ROOT, Server
 from tests.helpers.tiny_models import full_rank_folders
 
@@ -145,6 +146,15 @@ def check_example(server: Server, tokenizer, reference) -> None:
     assert out["usage"]["completion_tokens"] == 6
 
 
+def check_load(server: Server) -> None:
+    """``loadgen``'s server side: every request answered, the tokens the server counted."""
+    requests = make_requests(LoadSpec(requests=8, rate=50, concurrency=4, prompt_words=(2, 10), output_tokens=(2, 8)))
+    report = run_server_load(server.url, "tiny", requests, 4, KEY)
+    assert report["completed"] == 8 and report["errors"] == 0
+    assert report["completion_tokens"] == sum(r.max_tokens for r in requests)
+    assert 0 < report["ttft_s"]["p50"] <= report["ttft_s"]["p99"] <= report["e2e_s"]["p99"]
+
+
 def check_sigterm_drains(server: Server, api: openai.OpenAI, name: str) -> None:
     streams = [api.completions.create(model=name, prompt=PROMPTS[i], max_tokens=40, temperature=0, stream=True)
                for i in range(3)]
@@ -170,6 +180,7 @@ def test_openai_client_against_tp2_server(model) -> None:
         check_bad_requests(server, api, "tiny")
         check_flood(server, api, "tiny")
         check_example(server, tokenizer, reference)
+        check_load(server)
         check_sigterm_drains(server, api, "tiny")
     finally:
         server.stop()

@@ -1,0 +1,203 @@
+"""Load against ``serve``: Poisson arrivals, mixed prompt and output lengths, and the same
+requests as static ``generate`` batches, for the throughput / latency comparison of issue 11.
+
+The server side streams every request (greedy) through the OpenAI completions API: TTFT is the
+time from a request's send to its first text chunk, TPOT the time after that per further token,
+end-to-end the time to its last chunk; throughput is the completion tokens the server reports
+(``usage``) over the wall time from the first arrival to the last answer.
+
+The static side loads the model once in fresh ranks and runs the same prompts, in arrival order,
+as batches of ``concurrency`` with the project's generation loop: every batch generates up to the
+longest ``max_tokens`` of its rows (that is what a static batch does); each request counts its own
+tokens. The measured batch times are then laid on the same arrivals (``static_report``): a batch
+starts once its last request has arrived and the previous batch is done, and a request's TTFT and
+end-to-end latency count from its own arrival, as the server's do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+WORDS = ("the of and to in is was for on that with as by at from his an were are which this be has had it "
+         "one not but also its after first new who they two her she been other when there all during into "
+         "school time may years more most only over city some world would where later up such used many can "
+         "state about national out known university united then made").split()
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """The request set: ``requests`` arrivals at ``rate`` per second (Poisson), at most
+    ``concurrency`` in flight, prompt and output lengths uniform in their ranges."""
+
+    requests: int = 64
+    rate: float = 4.0
+    concurrency: int = 16
+    prompt_words: tuple[int, int] = (16, 256)
+    output_tokens: tuple[int, int] = (16, 128)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.requests < 1 or self.concurrency < 1:
+            raise ValueError("--requests and --concurrency must be at least 1")
+        if not self.rate > 0:
+            raise ValueError(f"--rate must be > 0 requests per second, got {self.rate}")
+        for flag, (low, high) in (("--prompt-words", self.prompt_words), ("--output-tokens", self.output_tokens)):
+            if not 1 <= low <= high:
+                raise ValueError(f"{flag} takes LOW:HIGH with 1 ≤ LOW ≤ HIGH, got {low}:{high}")
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    prompt: str
+    max_tokens: int
+    arrival_s: float  # after the start of the run
+
+
+def make_requests(spec: LoadSpec) -> list[LoadRequest]:
+    """The same request set for the same spec (seeded)."""
+    rng = random.Random(spec.seed)
+    out, t = [], 0.0
+    for _ in range(spec.requests):
+        words = rng.randint(*spec.prompt_words)
+        out.append(LoadRequest(" ".join(rng.choice(WORDS) for _ in range(words)),
+                               rng.randint(*spec.output_tokens), t))
+        t += rng.expovariate(spec.rate)
+    return out
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p99": None, "mean": None}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"p50": statistics.median(ordered), "p99": at(0.99), "mean": statistics.fmean(ordered)}
+
+
+async def _one(client: Any, url: str, model: str, request: LoadRequest, headers: dict) -> dict[str, Any]:
+    body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0,
+            "stream": True}
+    sent = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", f"{url}/completions", json=body, headers=headers) as response:
+        if response.status_code != 200:
+            return {"error": response.status_code}
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return {"error": chunk["error"]["message"]}
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if any(c.get("text") for c in chunk.get("choices", [])):
+                last = time.perf_counter()
+                first = first or last
+    if first is None or last is None:
+        return {"error": "no text"}
+    return {"ttft": first - sent, "e2e": last - sent, "tokens": tokens,
+            "tpot": (last - first) / (tokens - 1) if tokens > 1 else None}
+
+
+async def _drive(url: str, model: str, requests: list[LoadRequest], concurrency: int, api_key: str | None
+                 ) -> tuple[list[dict[str, Any]], float]:
+    import logging
+
+    import httpx
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    gate = asyncio.Semaphore(concurrency)
+    start = time.perf_counter()
+
+    async def arrive(client: Any, request: LoadRequest) -> dict[str, Any]:
+        await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
+        async with gate:
+            return await _one(client, url, model, request, headers)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=concurrency)) as client:
+        results = await asyncio.gather(*(arrive(client, r) for r in requests))
+    return list(results), time.perf_counter() - start
+
+
+def run_server_load(url: str, model: str, requests: list[LoadRequest], concurrency: int,
+                    api_key: str | None = None) -> dict[str, Any]:
+    """Replay ``requests`` against a running server; throughput and latency percentiles."""
+    results, wall = asyncio.run(_drive(url.rstrip("/"), model, requests, concurrency, api_key))
+    done = [r for r in results if "error" not in r]
+    tokens = sum(r["tokens"] for r in done)
+    return {"completed": len(done), "errors": len(results) - len(done), "wall_s": wall,
+            "completion_tokens": tokens, "throughput_tokens_per_s": tokens / wall,
+            "ttft_s": percentiles([r["ttft"] for r in done]),
+            "tpot_s": percentiles([r["tpot"] for r in done if r["tpot"] is not None]),
+            "e2e_s": percentiles([r["e2e"] for r in done])}
+
+
+def _static_rank(model: str, tp: int, pp: int, layout: str, kv_cache: str, batches: list[list[tuple[list[int], int]]]
+                 ) -> list[dict[str, float]] | None:
+    from deinfer_megatron.generation.context import GenerationContext
+    from deinfer_megatron.generation.loop import generate_tokens
+    from deinfer_megatron.generation.sampling import SamplingParams
+    from deinfer_megatron.models.build import load_folder
+    from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+
+    groups = init_parallel(tp, pp)
+    reporter = groups.global_rank == 0
+    rows: list[dict[str, float]] = []
+    try:
+        stage = load_folder(Path(model), layout, groups, verify=False)  # the caller verified the folder
+        for batch in batches:
+            prompts = [p for p, _ in batch]
+            longest = max(m for _, m in batch)
+            context = GenerationContext(len(prompts), max(map(len, prompts)) + longest, kv_cache=kv_cache)
+            start = time.perf_counter()
+            outputs, timing = generate_tokens(stage, prompts, max_new_tokens=longest, params=SamplingParams(),
+                                              context=context)
+            wall = time.perf_counter() - start
+            rows += [{"ttft": timing.prefill_s, "e2e": wall, "tokens": min(len(o.token_ids), m), "batch_s": wall}
+                     for o, (_, m) in zip(outputs, batch)]
+    finally:
+        shutdown()
+    return rows if reporter else None
+
+
+def run_static_batches(model: Path, requests: list[LoadRequest], concurrency: int, *, tp: int = 1, pp: int = 1,
+                       layout: str = "deinfer", kv_cache: str = "full") -> dict[str, Any]:
+    """The same prompts as static batches of ``concurrency`` in arrival order (one rank start)."""
+    import transformers
+
+    from deinfer_megatron.checkpoints.folder import open_model
+    from deinfer_megatron.launch.run import run_on_ranks
+
+    open_model(model)  # verified once, here
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    encoded = [(list(tokenizer(r.prompt, add_special_tokens=True)["input_ids"]), r.max_tokens) for r in requests]
+    batches = [encoded[i : i + concurrency] for i in range(0, len(encoded), concurrency)]
+    rows = run_on_ranks(tp * pp, _static_rank, str(model), tp, pp, layout, kv_cache, batches)
+    return static_report(requests, rows, concurrency)
+
+
+def static_report(requests: list[LoadRequest], rows: list[dict[str, float]], concurrency: int) -> dict[str, Any]:
+    """Latency of static batching under the same arrivals: a batch starts when its last request
+    has arrived and the previous batch is done; each request waits for its batch's start."""
+    ttft, e2e, end = [], [], 0.0
+    for i in range(0, len(rows), concurrency):
+        batch = list(zip(requests[i : i + concurrency], rows[i : i + concurrency]))
+        start = max(end, max(r.arrival_s for r, _ in batch))
+        end = start + batch[0][1]["batch_s"]
+        ttft += [start - r.arrival_s + row["ttft"] for r, row in batch]
+        e2e += [end - r.arrival_s for r, _ in batch]
+    tokens = sum(r["tokens"] for r in rows)
+    return {"completed": len(rows), "wall_s": end, "completion_tokens": tokens,
+            "throughput_tokens_per_s": tokens / end if end else 0.0,
+            "ttft_s": percentiles(ttft), "e2e_s": percentiles(e2e)}
