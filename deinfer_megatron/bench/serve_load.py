@@ -123,7 +123,10 @@ async def _drive(url: str, model: str, requests: list[LoadRequest], concurrency:
     async def arrive(client: Any, request: LoadRequest) -> dict[str, Any]:
         await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
         async with gate:
-            return await _one(client, url, model, request, headers)
+            try:
+                return await _one(client, url, model, request, headers)
+            except httpx.HTTPError as err:  # refused, reset, timed out: that request failed
+                return {"error": f"{type(err).__name__}: {err}"}
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=concurrency)) as client:
         results = await asyncio.gather(*(arrive(client, r) for r in requests))
@@ -135,6 +138,9 @@ def run_server_load(url: str, model: str, requests: list[LoadRequest], concurren
     """Replay ``requests`` against a running server; throughput and latency percentiles."""
     results, wall = asyncio.run(_drive(url.rstrip("/"), model, requests, concurrency, api_key))
     done = [r for r in results if "error" not in r]
+    if not done:
+        raise RuntimeError(f"no request was answered by {url}: {results[0]['error']}; is the server running "
+                           "and --served-model-name right?")
     tokens = sum(r["tokens"] for r in done)
     return {"completed": len(done), "errors": len(results) - len(done), "wall_s": wall,
             "completion_tokens": tokens, "throughput_tokens_per_s": tokens / wall,
