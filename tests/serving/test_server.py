@@ -1,8 +1,8 @@
 """``deinfer-megatron serve`` at TP=2 (local ranks, tiny LLaMA sharing SmolLM2's tokenizer)
 driven by the real ``openai`` client, against Hugging Face ``generate`` on each prompt alone.
 
-One server answers every API check and is then drained with SIGTERM; a second one loses a rank
-under load. A server start costs ~20 s, so each is used for as much as it can show.
+One server answers every API check and is then drained with SIGTERM; a second one (DeepSpeed-
+Inference engine, latent cache) answers as Hugging Face does and then loses a rank under load. A server start costs ~20 s, so each is used for as much as it can show.
 """
 
 from __future__ import annotations
@@ -155,6 +155,25 @@ def check_load(server: Server) -> None:
     assert 0 < report["ttft_s"]["p50"] <= report["ttft_s"]["p99"] <= report["e2e_s"]["p99"]
 
 
+def metric(server: Server, name: str) -> float:
+    text = httpx.get(server.url.replace("/v1", "/metrics"), headers={"Authorization": f"Bearer {KEY}"}).text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def check_disconnect_frees_the_slot(server: Server) -> None:
+    """A client that goes away mid-stream: its sequence leaves the batch, long before max_tokens."""
+    before = metric(server, "deinfer_generation_tokens_total")
+    body = {"model": "tiny", "prompt": "go on", "max_tokens": 110, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        next(line for line in response.iter_lines() if line.startswith("data: "))
+    deadline = time.monotonic() + 30
+    while metric(server, "deinfer_running_sequences") > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(server, "deinfer_running_sequences") == 0
+    assert metric(server, "deinfer_generation_tokens_total") - before < 110
+
+
 def check_sigterm_drains(server: Server, api: openai.OpenAI, name: str) -> None:
     streams = [api.completions.create(model=name, prompt=PROMPTS[i], max_tokens=40, temperature=0, stream=True)
                for i in range(3)]
@@ -181,19 +200,22 @@ def test_openai_client_against_tp2_server(model) -> None:
         check_flood(server, api, "tiny")
         check_example(server, tokenizer, reference)
         check_load(server)
+        check_disconnect_frees_the_slot(server)
         check_sigterm_drains(server, api, "tiny")
     finally:
         server.stop()
 
 
-def test_a_rank_killed_under_load_ends_the_server(model) -> None:
+def test_a_rank_killed_under_load_ends_the_deepspeed_server(model) -> None:
     import signal
 
-    dec, _, _, root = model
-    server = Server(dec, "--tp", "2", "--kv-cache", "latent", log=root / "server-b.log")
+    dec, tokenizer, reference, root = model
+    server = Server(dec, "--tp", "2", "--kv-cache", "latent", "--engine", "deepspeed", log=root / "server-b.log")
     try:
         api = client(server, "unused")
         name = dec.name
+        answer = api.completions.create(model=name, prompt=PROMPTS[7], max_tokens=6, temperature=0)
+        assert answer.choices[0].text == reference(tokenizer(PROMPTS[7])["input_ids"], 6)  # DeepSpeed, latent
         streams = [api.completions.create(model=name, prompt=PROMPTS[i], max_tokens=100, temperature=0,
                                           stream=True) for i in range(2)]
         for s in streams:
