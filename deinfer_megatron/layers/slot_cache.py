@@ -44,11 +44,13 @@ class SlotContext(StaticInferenceContext):
         self.kv_cache = CacheKind.parse(kv_cache)
         self.absorb_values = absorb_values
         self.slots_of_rows: torch.Tensor | None = None
-        self.starts_of_rows: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None  # [s, rows]
+        self.masked: torch.Tensor | None = None  # [rows, 1, s, end]: key past the query's position
+        self.end = 0  # keys read per row: up to the furthest position of the step
 
     def begin_step(self, slots: list[int], starts: list[int], length: int, device: torch.device) -> None:
         """The next forward's rows: row i writes positions ``starts[i] .. starts[i]+length-1``
-        of slot ``slots[i]``."""
+        of slot ``slots[i]``. Positions and the mask are made here once for every layer."""
         if len(set(slots)) != len(slots):
             raise RuntimeError(f"two rows of one step share a slot: {slots}")
         if any(not 0 <= s < self.max_batch_size for s in slots):
@@ -56,7 +58,11 @@ class SlotContext(StaticInferenceContext):
         if any(p < 0 or p + length > self.max_sequence_length for p in starts):
             raise RuntimeError(f"a row's positions run past the {self.max_sequence_length} tokens of a slot")
         self.slots_of_rows = torch.tensor(slots, dtype=torch.long, device=device)
-        self.starts_of_rows = torch.tensor(starts, dtype=torch.long, device=device)
+        first = torch.tensor(starts, dtype=torch.long, device=device)
+        self.positions = first.unsqueeze(0) + torch.arange(length, device=device).unsqueeze(1)
+        self.end = max(starts) + length
+        keys = torch.arange(self.end, device=device)
+        self.masked = (keys.view(1, 1, -1) > self.positions.t().unsqueeze(-1)).unsqueeze(1)
 
     def cache_bytes(self) -> int:
         """Bytes this rank holds in slot caches."""
@@ -116,15 +122,11 @@ def slot_attention(attn: Any, hidden_states: torch.Tensor, context: SlotContext,
     """
     assert context.slots_of_rows is not None, "SlotContext.begin_step names the rows before a forward"
     sq, rows = hidden_states.shape[:2]
-    slots, starts = context.slots_of_rows, context.starts_of_rows
-    positions = starts.unsqueeze(0) + torch.arange(sq, device=starts.device).unsqueeze(1)  # [s, rows]
-    end = int(starts.max()) + sq
+    slots, positions, masked, end = context.slots_of_rows, context.positions, context.masked, context.end
+    assert positions is not None and positions.shape == (sq, rows), "the step's rows are those of the forward"
     q_emb = k_emb = None
     if rotary_pos_emb is not None:
         q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-    # masked[row, 0, i, j]: key position j lies past query i's position in that row
-    keys_at = torch.arange(end, device=starts.device)
-    masked = (keys_at.view(1, 1, end) > positions.t().unsqueeze(-1)).unsqueeze(1)
 
     c_q, c_k, c_v = attn.linear_qkv_down(hidden_states)
     query = attn._rope(attn._project(attn.linear_q_up, c_q, attn.num_heads), _freqs_at(q_emb, positions))

@@ -118,8 +118,8 @@ def _admit(state: ServerState, completion: Completion, prompt: list[int],
         raise ApiError(429, str(err), kind="rate_limit_error", code="queue_full") from None
     except Draining as err:
         raise ApiError(503, str(err), kind="server_error") from None
-    except ValueError as err:
-        raise ApiError(400, str(err), param="max_tokens") from None
+    except ValueError as err:  # longer than a slot, or more choices than slots
+        raise ApiError(400, str(err)) from None
     return request
 
 

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from deinfer_megatron.generation.sampling import SamplingParams
 from deinfer_megatron.serving.step import DecodeRow, PrefillChunk, StepPlan
@@ -258,7 +258,3 @@ class Scheduler:
     def take_finished(self) -> list[Request]:
         done, self.finished = self.finished, []
         return done
-
-    def describe(self) -> dict[str, Any]:
-        return {"queue": self.queue_length, "running": self.running, "slots_in_use": self.slots_in_use,
-                "slots": self.slots}
