@@ -132,7 +132,14 @@ async def _complete(state: ServerState, http: HttpRequest, *, chat: bool) -> Res
         raise ApiError(400, str(err), param="messages" if chat else "prompt") from None
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Event] = asyncio.Queue()
-    request = _admit(state, completion, prompt, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+
+    def sink(event: Event) -> None:  # called from the model loop's thread
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the event loop has closed: the server stopped, nobody listens
+            pass
+
+    request = _admit(state, completion, prompt, sink)
     rid = new_id("chatcmpl" if chat else "cmpl")
     if completion.stream:
         return StreamingResponse(_stream(state, request, events, rid, chat), media_type="text/event-stream")
