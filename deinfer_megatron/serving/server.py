@@ -216,8 +216,12 @@ def _rank(job: ServeJob) -> dict[str, Any] | None:
             while not (plan := exchange_plan(None, stage.device)).stop:
                 runner.run(plan)
             return None
-        lead = _Lead(job, runner, slots, tokens_per_slot, slots * slot_bytes)
-        lead.start_http()
+        try:
+            lead = _Lead(job, runner, slots, tokens_per_slot, slots * slot_bytes)
+            lead.start_http()
+        except BaseException:
+            exchange_plan(StepPlan(stop=True), stage.device)  # the other ranks stop, not time out
+            raise
         signal.signal(signal.SIGTERM, lambda signum, frame: lead.scheduler.drain())
         try:
             lead.loop(stage.device)
