@@ -119,7 +119,7 @@ def check_bad_requests(server: Server, api: openai.OpenAI, name: str) -> None:
 def check_flood(server: Server, api: openai.OpenAI, name: str) -> None:
     def one(i: int):
         try:
-            return api.completions.create(model=name, prompt=PROMPTS[i % 16], max_tokens=20, temperature=0)
+            return api.completions.create(model=name, prompt=PROMPTS[i % 16], max_tokens=40, temperature=0)
         except openai.RateLimitError:
             return None
 
@@ -128,7 +128,7 @@ def check_flood(server: Server, api: openai.OpenAI, name: str) -> None:
     served = [a for a in answers if a is not None]
     assert len(served) < 40, "past --max-queue requests are refused with 429"
     assert len(served) >= 16, "the queue and the running batch were all served"
-    assert all(a.usage.completion_tokens == 20 and a.choices[0].finish_reason == "length" for a in served)
+    assert all(a.usage.completion_tokens == 40 and a.choices[0].finish_reason == "length" for a in served)
     metrics = httpx.get(server.url.replace("/v1", "/metrics"), headers={"Authorization": f"Bearer {KEY}"}).text
     assert 'deinfer_requests_total{status="429"}' in metrics
     assert "deinfer_time_to_first_token_seconds_count" in metrics
