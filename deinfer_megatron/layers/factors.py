@@ -62,7 +62,7 @@ from deinfer_megatron.parallel import comm
 from deinfer_megatron.parallel.topology import Span, TPView, balanced_split, padded_chunk, unit_split
 
 __all__ = ["GatheredDown", "ShardedDown", "ReducedDown", "ShardedUp", "ReducedUp", "ReplicatedUp",
-           "read_block"]  # read_block: the checkpoint loaders read sources with it too
+           "DownFactor", "UpFactor", "read_block"]  # read_block: the checkpoint loaders read sources with it too
 
 
 # --------------------------------------------------------------------------------------- down
@@ -487,3 +487,7 @@ class ReplicatedUp(_Up):
     """The whole U on every rank, applied to a full latent; no communication. The bias is
     returned once (not scaled by TP). Shapes: in 1-tuple ``[..., r]`` → out ``[..., out]``.
     """
+
+
+DownFactor = _Down  # every V factor (for selecting what to train)
+UpFactor = _Up  # every U factor

@@ -149,7 +149,7 @@ def _reduce_scatter(g: torch.Tensor, tp: TPView, group: dist.ProcessGroup) -> to
     c = g.shape[-1] // tp.size
     chunks = g.reshape(*g.shape[:-1], tp.size, c).movedim(-2, 0).contiguous()
     out = torch.empty(chunks.shape[1:], dtype=g.dtype, device=g.device)
-    _reduce_scatter_flat(out, chunks, group=group)
+    _reduce_scatter_flat(out, chunks.view(-1, *out.shape[1:]), group=group)
     return out
 
 
@@ -312,6 +312,14 @@ def max_over_world(x: torch.Tensor) -> torch.Tensor:
     """Element-wise maximum of ``x`` over every rank of the job (bookkeeping, e.g. the largest
     KV cache any rank holds); not a model collective, not recorded."""
     dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
+def sum_over_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum ``x`` over every rank of ``group`` (training bookkeeping across stages: the global
+    gradient norm, the two copies of tied embeddings); not a TP model collective, not recorded."""
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
     return x
 
 
