@@ -36,8 +36,9 @@ class Cost:
         collectives: the collectives this rank issues per token in the forward pass, in the
             order it issues them.
         kv_heads: KV heads whose K/V this rank caches (attention blocks; 0 for everything else).
-        backward: the collectives the backward pass of the activations issues per token (a
-            sum lists each part's in forward order; the backward runs them in reverse).
+        backward: the collectives the backward pass of the activations issues per token,
+            listed in the forward order of the operations they are the adjoints of (the
+            backward pass issues them in the reverse of this order).
     """
 
     params: int = 0

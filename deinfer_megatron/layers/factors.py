@@ -126,7 +126,8 @@ class _Down(Factor):
     @classmethod
     def _backward_collectives(cls, input_width: int, section_ranks: tuple[int, ...],
                               tp: TPView) -> tuple[Collective, ...]:
-        """What the backward pass issues per token, in the order it issues them."""
+        """What the backward pass issues per token, listed in the forward order of the
+        operations they are the adjoints of (the backward pass issues them in reverse)."""
         return ()
 
     @classmethod
@@ -167,9 +168,9 @@ class GatheredDown(_Down):
     @classmethod
     def _backward_collectives(cls, input_width: int, section_ranks: tuple[int, ...],
                               tp: TPView) -> tuple[Collective, ...]:
-        # the latents' gradient is reduce-scattered, then the replicated input's summed
+        # in the forward order of what they are adjoints of: the input's copy, the gather
         width = tp.size * cls._local_columns(section_ranks, tp)
-        return issued(tp, Collective("reduce_scatter", width), Collective("all_reduce", input_width))
+        return issued(tp, Collective("all_reduce", input_width), Collective("reduce_scatter", width))
 
     @property
     def chunk(self) -> int:
