@@ -16,6 +16,8 @@ The API (every rank of the job runs the same calls, in lockstep)::
 * ``loss_fn(logits, micro_batch) -> scalar``: called on the last pipeline stage only, with the
   full-vocabulary logits ``[b, s, vocab]`` (padding removed; identical on every TP rank, so
   any loss of them — cross-entropy, KL to a teacher — is correct as written for one process).
+  Tensors made under ``torch.inference_mode`` (a teacher's ``stage_forward`` logits) must be
+  cloned outside it before the loss uses them.
 * ``train``: ``"all"``, ``"factors"`` (every U and V), ``"u"`` or ``"v"``; the rest is frozen.
 * ``trainer.compute_gradients(micro_batches, loss_fn)`` and ``trainer.optimizer_step()`` are the
   two halves of ``step``; ``state_dict``/``load_state_dict`` carry the optimizer and schedule
