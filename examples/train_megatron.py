@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import warnings
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +88,7 @@ def toy_batch(step: int, vocab: int) -> dict[str, torch.Tensor]:
     return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
 
 
-def forward_step(batch: dict[str, torch.Tensor], data: Any, model: Any) -> tuple[torch.Tensor, Any]:
+def forward_step(data: Any, model: Any) -> tuple[torch.Tensor, Any]:
     """Megatron's ``forward_step_func``: the model's logits and the loss function of them."""
     mb = next(data)
     positions = torch.arange(SEQ).expand(BATCH, -1)
@@ -122,7 +121,7 @@ def train(args: argparse.Namespace) -> list[float]:
         for step in range(args.steps):
             optimizer.zero_grad(set_to_none=True)
             batch = toy_batch(step, model.vocab_size)
-            out = schedule(forward_step_func=partial(forward_step, batch), data_iterator=iter([batch]),
+            out = schedule(forward_step_func=forward_step, data_iterator=iter([batch]),
                            model=model, num_microbatches=1, seq_length=SEQ, micro_batch_size=BATCH,
                            forward_only=False)
             scheduler.step(1)
@@ -151,11 +150,12 @@ def main(argv: list[str] | None = None) -> list[float]:
         parser.error("--steps must be at least 4 (3 warm-up steps, then the cosine)")
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron(\.|$)")
     losses = train(args)
-    if args.json and int(os.environ.get("RANK", "0")) == 0:
-        tmp = args.json.with_name(args.json.name + ".tmp")
-        tmp.write_text(json.dumps({"losses": losses}))
-        tmp.replace(args.json)
-    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps") if int(os.environ.get("RANK", "0")) == 0 else None
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
+        if args.json:  # written whole or not at all
+            tmp = args.json.with_name(args.json.name + ".tmp")
+            tmp.write_text(json.dumps({"losses": losses}))
+            tmp.replace(args.json)
     return losses
 
 
