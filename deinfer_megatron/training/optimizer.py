@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
@@ -68,15 +69,18 @@ class OptimizerConfig:
 
 
 def make_optimizer(params: Sequence[torch.nn.Parameter], cfg: OptimizerConfig) -> tuple[Any, Any]:
-    """``(torch AdamW, Megatron OptimizerParamScheduler)`` over ``params``."""
+    """``(torch AdamW, Megatron OptimizerParamScheduler)`` over ``params``.
+
+    A rank with nothing to train (a pipeline stage of dense layers when only factors train)
+    gets no optimizer (None) and a scheduler over one empty group, so that it still reports
+    the learning rate of the step.
+    """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    if not params:
-        raise ValueError("nothing to train: no parameter was selected on this rank")
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                  weight_decay=cfg.weight_decay)
+                                  weight_decay=cfg.weight_decay) if params else None
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr,
+        optimizer if optimizer is not None else SimpleNamespace(param_groups=[{}]), init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr,
         lr_warmup_steps=cfg.warmup_steps, lr_decay_steps=cfg.total_steps, lr_decay_style="cosine",
         start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=cfg.total_steps,
         wd_incr_style="constant",

@@ -18,6 +18,7 @@ from functools import partial
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from deinfer_megatron.layers.factor_base import Factor
@@ -85,6 +86,13 @@ class Trainer:
             p.requires_grad_(True)
         self.names = [n for n, _ in chosen]
         self.params = [p for _, p in chosen]
+        selected = torch.tensor(float(len(self.params)), device=stage.device)
+        if groups.pg_collection.mp is not None and dist.get_world_size(groups.pg_collection.mp) > 1:
+            selected = comm.sum_over_group(selected, groups.pg_collection.mp)
+        if selected.item() == 0:
+            raise ValueError(f"nothing to train: train={train!r} selects no parameter of this model "
+                             f"(the {stage.layout.value} layout has no factors when it multiplies "
+                             "them out); choose another --train or layout")
         if self.tied_across_stages and groups.is_last_stage:
             # One matrix in two places: its gradient norm is counted on the first stage only.
             dict(model.named_parameters())[_HEAD].shared = True
@@ -174,8 +182,9 @@ class Trainer:
         self.scheduler.step(1)
         norm = clip_by_global_norm(self.params, self.config.clip_grad,
                                    groups.pg_collection.tp, groups.pg_collection.mp)
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        self.optimizer.step()
+        lr = float(self.scheduler.optimizer.param_groups[0]["lr"])
+        if self.optimizer is not None:
+            self.optimizer.step()
         self.steps += 1
         return norm, lr
 
@@ -189,11 +198,12 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """Optimizer moments, scheduler position and step count of this rank (for resuming)."""
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "steps": self.steps}
+        return {"optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "steps": self.steps}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state_dict()`` of the same rank with the same selection."""
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(state["steps"])

@@ -172,7 +172,7 @@ def _one_size(tp: int, pp: int, families: list[str], layouts: list[str], steps: 
     from deinfer_megatron.parallel import comm
     from deinfer_megatron.parallel.runtime import init_parallel
     from deinfer_megatron.specs.rank_config import RankConfig
-    from deinfer_megatron.training import OptimizerConfig, Trainer
+    from deinfer_megatron.training import OptimizerConfig, Trainer, select_parameters
 
     groups = init_parallel(tp, pp)  # Megatron's groups are rebuilt for each shape
     out: dict[str, Any] = {"tp_rank": groups.tp_rank, "pp_rank": groups.pp_rank, "results": {}}
@@ -209,6 +209,14 @@ def _one_size(tp: int, pp: int, families: list[str], layouts: list[str], steps: 
             padding = _padding(stage)
             load_weights(stage, ref, source_ranks)  # the expected gradients, cut like the weights
             errors = _gradient_errors(grads, stage)
+            if dense:
+                try:
+                    Trainer(stage, OptimizerConfig(**STEPS), train="factors")
+                    selection: Any = "accepted"
+                except ValueError as err:
+                    selection = str(err)
+            else:
+                selection = {w: [n for n, _ in select_parameters(stage.model, w)] for w in ("u", "v")}
             out["results"][f"{family}/{layout}"] = {
                 "ranks": c["ranks"],
                 "errors": errors,
@@ -219,5 +227,6 @@ def _one_size(tp: int, pp: int, families: list[str], layouts: list[str], steps: 
                 "trajectory": trajectory,
                 "padding": padding,
                 "layer_offset": stage.layer_offset,
+                "selection": selection,
             }
     return out

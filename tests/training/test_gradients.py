@@ -152,3 +152,18 @@ def test_merged_v_padding_stays_zero_under_training() -> None:
                 assert all(v == 0.0 for v in entry["padding"]), (key, tp, pp)
                 seen += len(entry["padding"])
     assert seen > 0, "some merged V has padding (Σr not a multiple of TP)"
+
+
+def test_train_selects_u_or_v_factors_and_refuses_an_empty_selection() -> None:
+    for tp, pp in SIZES:
+        for key, ranks in _entries(tp, pp).items():
+            for rank, entry in ranks:
+                selection = entry["selection"]
+                if key.endswith("/dense"):  # the dense layout multiplies the factors out
+                    assert selection.startswith("nothing to train: train='factors'"), selection
+                    continue
+                u, v = selection["u"], selection["v"]
+                assert u and v, key  # every stage holds decomposed layers
+                assert all(n.split(".")[-2] in ("linear_q_up", "linear_k_up", "linear_v_up", "up") for n in u), u
+                assert all(n.split(".")[-2] in ("linear_qkv_down", "down") for n in v), v
+                assert not set(u) & set(v)
