@@ -17,6 +17,7 @@ PACKAGE_ORDER: tuple[frozenset[str], ...] = (
     frozenset({"checkpoints"}),  # name/shape table, shard loaders, model folders, converters
     frozenset({"models"}),  # building and loading a pipeline stage; its forward across stages
     frozenset({"planning"}),  # the cost of a layout, computed without running it
+    frozenset({"training"}),  # a training step of built stages: schedules, optimizer, clipping
     frozenset({"evaluation", "generation", "decompose"}),  # the jobs
     frozenset({"serving"}),  # the OpenAI-compatible server: continuous batching over the ranks
     frozenset({"bench"}),  # timing the jobs

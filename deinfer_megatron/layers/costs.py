@@ -6,7 +6,9 @@ walks a model's layers and adds up their answers instead of re-deriving each lay
 formulas. This module holds only the value those methods return.
 
 A collective is counted in the unit of the communication ledger (``parallel.comm``): elements
-per token of the gathered or reduced tensor. A collective over a group of one rank is never
+per token of the gathered, reduced or reduce-scattered tensor. A cost lists the forward pass's
+collectives and, apart, those of the backward pass (the adjoints, ``parallel.comm``'s table),
+so that a training step's communication is planned from the same classes. A collective over a group of one rank is never
 issued (``comm`` returns its input), so a cost lists none at TP 1.
 """
 
@@ -21,7 +23,7 @@ from deinfer_megatron.parallel.topology import TPView
 class Collective(NamedTuple):
     """One collective per token: its kind and element count, as the ledger records them."""
 
-    kind: str  # "all_gather" | "all_reduce"
+    kind: str  # "all_gather" | "all_reduce" | "reduce_scatter"
     elements: int
 
 
@@ -31,19 +33,25 @@ class Cost:
 
     Attributes:
         params: parameter elements this rank allocates.
-        collectives: the collectives this rank issues per token, in the order it issues them.
+        collectives: the collectives this rank issues per token in the forward pass, in the
+            order it issues them.
         kv_heads: KV heads whose K/V this rank caches (attention blocks; 0 for everything else).
+        backward: the collectives the backward pass of the activations issues per token,
+            listed in the forward order of the operations they are the adjoints of (the
+            backward pass issues them in the reverse of this order).
     """
 
     params: int = 0
     collectives: tuple[Collective, ...] = ()
     kv_heads: int = 0
+    backward: tuple[Collective, ...] = ()
 
     def __add__(self, other: "Cost") -> "Cost":
         return Cost(
             self.params + other.params,
             self.collectives + other.collectives,
             self.kv_heads + other.kv_heads,
+            self.backward + other.backward,
         )
 
 

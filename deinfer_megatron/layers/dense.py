@@ -1,11 +1,14 @@
-"""Megatron's dense row-parallel linear, with its all-reduce routed through our counted comm.
+"""Megatron's dense column- and row-parallel linears, their collectives routed through our
+counted comm.
 
 Dense layers (the dense baseline, and the layers a rank config leaves undecomposed) are
-Megatron's own ``SelfAttention``/``MLP`` with ``ColumnParallelLinear`` — which communicates
-nothing in the forward pass when ``gather_output=False`` — and this subclass of
-``RowParallelLinear``, whose only change is that the all-reduce of its output is issued by
-``deinfer_megatron.parallel.comm`` so that it is counted like every other collective.
-Parameters, sharding and initialisation are Megatron's.
+Megatron's own ``SelfAttention``/``MLP`` with two subclasses of Megatron's linears whose only
+change is that their collectives are issued by ``deinfer_megatron.parallel.comm`` — so that they
+are counted like every other collective — with Megatron's autograd semantics kept: the row
+linear's all-reduce of its output (backward: identity) and the column linear's
+identity on its replicated input (backward: all-reduce of the input gradient, Megatron's
+``copy_to_tensor_model_parallel_region``/``allreduce_dgrad``). Parameters, sharding,
+tensor-parallel attributes and initialisation are Megatron's.
 
 ``dense_attention_cost`` and ``dense_mlp_cost`` say what those blocks cost one rank (parameters,
 collectives per token, KV heads cached), for the planner, the way the factor classes do for
@@ -19,11 +22,39 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron.core.tensor_parallel.layers import RowParallelLinear
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from deinfer_megatron.layers.costs import Collective, Cost, issued
 from deinfer_megatron.parallel import comm
 from deinfer_megatron.parallel.topology import TPView, balanced_split, unit_split
+
+
+class CountedColumnParallelLinear(ColumnParallelLinear):
+    """``ColumnParallelLinear`` (output rows split over ranks, input replicated) whose backward
+    all-reduce of the input gradient is issued and counted by ``parallel.comm``.
+
+    Extra args: ``layer_number`` and ``prefix`` name the collective in the ledger.
+    Shapes: in ``[s, b, in]`` (the same on every rank) → out ``[s, b, out/t]``.
+    """
+
+    def __init__(self, *args: Any, layer_number: int = 0, prefix: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.layer_number = layer_number
+        self.prefix = prefix
+        self._tp = TPView.of(self.tp_group)
+        if self.gather_output or self.sequence_parallel:
+            raise ValueError(f"{self.prefix}: the counted column linear neither gathers its output "
+                             "nor runs sequence-parallel; use Megatron's ColumnParallelLinear")
+
+    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if weight is not None or runtime_gather_output:
+            raise ValueError(f"{self.prefix}: the counted column linear uses its own weight and "
+                             "does not gather its output")
+        x = comm.copy_to_tp(input_, self._tp, site=self.prefix, layer=self.layer_number)
+        if self.skip_bias_add:
+            return F.linear(x, self.weight), self.bias
+        return F.linear(x, self.weight, self.bias), None
 
 
 class CountedRowParallelLinear(RowParallelLinear):
@@ -54,14 +85,16 @@ def dense_attention_cost(config: Any, tp: TPView) -> Cost:
     """Megatron's ``SelfAttention`` on rank ``tp.rank``: ``linear_qkv`` column-parallel by heads
     (bias when ``add_qkv_bias`` or ``add_bias_linear``, as Megatron decides), ``linear_proj``
     row-parallel over this rank's query heads with one all-reduce of ``hidden`` (its bias
-    replicated); K/V cached for this rank's KV heads."""
+    replicated); K/V cached for this rank's KV heads. Backward: one all-reduce of ``hidden``
+    (the gradient of ``linear_qkv``'s replicated input)."""
     h, d = config.hidden_size, config.kv_channels
     q_span = unit_split(config.num_attention_heads, d, tp)
     kv_span = unit_split(config.num_query_groups, d, tp)
     rows = q_span.size + 2 * kv_span.size
     qkv_bias = config.add_qkv_bias or config.add_bias_linear
     params = rows * h + (rows if qkv_bias else 0) + h * q_span.size + (h if config.add_bias_linear else 0)
-    return Cost(params, issued(tp, Collective("all_reduce", h)), kv_heads=kv_span.size // d)
+    return Cost(params, issued(tp, Collective("all_reduce", h)), kv_heads=kv_span.size // d,
+                backward=issued(tp, Collective("all_reduce", h)))  # linear_qkv's input gradient
 
 
 def dense_mlp_cost(config: Any, tp: TPView) -> Cost:
@@ -72,4 +105,5 @@ def dense_mlp_cost(config: Any, tp: TPView) -> Cost:
     i_span = balanced_split(config.ffn_hidden_size, tp)
     rows = (2 if config.gated_linear_unit else 1) * i_span.size
     params = rows * h + (rows if bias else 0) + h * i_span.size + (h if bias else 0)
-    return Cost(params, issued(tp, Collective("all_reduce", h)))
+    return Cost(params, issued(tp, Collective("all_reduce", h)),
+                backward=issued(tp, Collective("all_reduce", h)))  # linear_fc1's input gradient

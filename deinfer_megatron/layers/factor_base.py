@@ -33,9 +33,27 @@ def check_shape(source: Any, expected: tuple[int, ...], prefix: str, what: str) 
         )
 
 
-def local_param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
-    """An uninitialised parameter of this rank's shard (inference: no gradient)."""
-    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+def local_param(shape: tuple[int, ...], dtype: torch.dtype, *, partition_dim: int | None,
+                stride: int = 1, duplicate: bool = False) -> nn.Parameter:
+    """An uninitialised, trainable parameter of this rank's shard, carrying Megatron's
+    tensor-parallel attributes so that Megatron's grad-norm, clipping, DDP and optimizer count
+    it once.
+
+    Args:
+        partition_dim: the dimension split over the TP ranks; None for a parameter every rank
+            holds whole (replicated: Megatron counts it on TP rank 0 only).
+        stride: Megatron's ``partition_stride`` (sections interleaved in the split dimension).
+        duplicate: this rank's slice is also held by a lower rank (KV heads replicated over
+            ranks): marked not tensor-parallel, so only the first holder is counted.
+
+    Inference builds turn gradients off for the whole model (``models.build``).
+    """
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    param = nn.Parameter(torch.empty(shape, dtype=dtype))
+    parallel = partition_dim is not None and not duplicate
+    set_tensor_model_parallel_attributes(param, parallel, partition_dim if parallel else -1, stride)
+    return param
 
 
 def section_ranks_of(section_ranks: Sequence[int]) -> tuple[int, ...]:

@@ -62,7 +62,7 @@ from deinfer_megatron.parallel import comm
 from deinfer_megatron.parallel.topology import Span, TPView, balanced_split, padded_chunk, unit_split
 
 __all__ = ["GatheredDown", "ShardedDown", "ReducedDown", "ShardedUp", "ReducedUp", "ReplicatedUp",
-           "read_block"]  # read_block: the checkpoint loaders read sources with it too
+           "DownFactor", "UpFactor", "read_block"]  # read_block: the checkpoint loaders read sources with it too
 
 
 # --------------------------------------------------------------------------------------- down
@@ -103,16 +103,32 @@ class _Down(Factor):
         self.input_size = input_size
         self.input_span = self._input_span(input_size, self.section_ranks, self.tp, input_span, prefix)
         cols = self._local_columns(self.section_ranks, self.tp)
-        self.weight = local_param((self.input_span.size, cols), config.params_dtype)  # Vᵀ
+        dim, stride = self._partition(self.section_ranks)
+        self.weight = local_param((self.input_span.size, cols), config.params_dtype,  # Vᵀ
+                                  partition_dim=dim, stride=stride)
         self._initialise(config, init_method)
 
     @classmethod
     def cost(cls, input_size: int, section_ranks: Sequence[int], *, tp: TPView,
              input_span: Span | None = None, prefix: str = "") -> Cost:
-        """Parameters rank ``tp.rank`` holds and the collectives it issues per token."""
+        """Parameters rank ``tp.rank`` holds and the collectives it issues per token, in the
+        forward pass and in the backward pass (of the activations)."""
         ranks = section_ranks_of(section_ranks)
         span = cls._input_span(input_size, ranks, tp, input_span, prefix)
-        return Cost(span.size * cls._local_columns(ranks, tp), cls._collectives(ranks, tp))
+        return Cost(span.size * cls._local_columns(ranks, tp), cls._collectives(ranks, tp),
+                    backward=cls._backward_collectives(span.size, ranks, tp))
+
+    @classmethod
+    def _partition(cls, section_ranks: tuple[int, ...]) -> tuple[int, int]:
+        """(split dimension, stride) of the stored ``Vᵀ`` (in, cols): the columns by default."""
+        return 1, 1
+
+    @classmethod
+    def _backward_collectives(cls, input_width: int, section_ranks: tuple[int, ...],
+                              tp: TPView) -> tuple[Collective, ...]:
+        """What the backward pass issues per token, listed in the forward order of the
+        operations they are the adjoints of (the backward pass issues them in reverse)."""
+        return ()
 
     @classmethod
     def _input_span(cls, input_size: int, section_ranks: tuple[int, ...], tp: TPView,
@@ -149,6 +165,13 @@ class GatheredDown(_Down):
     def _collectives(cls, section_ranks: tuple[int, ...], tp: TPView) -> tuple[Collective, ...]:
         return issued(tp, Collective("all_gather", tp.size * cls._local_columns(section_ranks, tp)))
 
+    @classmethod
+    def _backward_collectives(cls, input_width: int, section_ranks: tuple[int, ...],
+                              tp: TPView) -> tuple[Collective, ...]:
+        # in the forward order of what they are adjoints of: the input's copy, the gather
+        width = tp.size * cls._local_columns(section_ranks, tp)
+        return issued(tp, Collective("all_reduce", input_width), Collective("reduce_scatter", width))
+
     @property
     def chunk(self) -> int:
         """Padded rows of the merged V on each rank."""
@@ -169,8 +192,15 @@ class GatheredDown(_Down):
                 param.data[:, pad_from - lo :].zero_()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Backward: the latents feed each rank's own heads/rows (``ShardedUp``), so their
+        gradient is reduce-scattered; the replicated input's gradient is summed. The padding
+        columns of ``Vᵀ`` never reach the output, so their gradient is exactly zero and they
+        stay zero under any optimizer whose update of a zero-gradient, zero weight is zero
+        (SGD, Adam, AdamW)."""
+        x = comm.copy_to_tp(x, self.tp, site=self.prefix, layer=self.layer_number)
         latent = comm.all_gather_last_dim(
-            x @ self.weight, self.tp, site=self.prefix, layer=self.layer_number
+            x @ self.weight, self.tp, site=self.prefix, layer=self.layer_number,
+            grad="reduce_scatter",
         )
         return torch.split(latent[..., : sum(self.section_ranks)], self.section_ranks, dim=-1)
 
@@ -190,6 +220,15 @@ class ShardedDown(_Down):
     def _local_columns(cls, section_ranks: tuple[int, ...], tp: TPView) -> int:
         return sum(s.size for s in cls._spans(section_ranks, tp))
 
+    @classmethod
+    def _partition(cls, section_ranks: tuple[int, ...]) -> tuple[int, int]:
+        return 1, len(section_ranks)  # each section's rows split: sections interleave
+
+    @classmethod
+    def _backward_collectives(cls, input_width: int, section_ranks: tuple[int, ...],
+                              tp: TPView) -> tuple[Collective, ...]:
+        return issued(tp, Collective("all_reduce", input_width))  # the replicated input
+
     @cached_property
     def spans(self) -> tuple[Span, ...]:
         """This rank's rows of each section's V."""
@@ -207,6 +246,8 @@ class ShardedDown(_Down):
         param.data[:, offset : offset + span.size].copy_(read_block(source, span.slice).T)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Backward: the replicated input's gradient is summed over the ranks' row slices."""
+        x = comm.copy_to_tp(x, self.tp, site=self.prefix, layer=self.layer_number)
         return torch.split(x @ self.weight, self.local_ranks, dim=-1)
 
 
@@ -229,6 +270,10 @@ class ReducedDown(_Down):
         return section_ranks[0]
 
     @classmethod
+    def _partition(cls, section_ranks: tuple[int, ...]) -> tuple[int, int]:
+        return 0, 1  # the input rows of Vᵀ
+
+    @classmethod
     def _collectives(cls, section_ranks: tuple[int, ...], tp: TPView) -> tuple[Collective, ...]:
         return issued(tp, Collective("all_reduce", section_ranks[0]))
 
@@ -237,6 +282,7 @@ class ReducedDown(_Down):
         param.data.copy_(read_block(source, slice(None), self.input_span.slice).T)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Backward: the all-reduce's is the identity (the input is this rank's own slice)."""
         partial = x @ self.weight
         return (comm.all_reduce_sum(partial, self.tp, site=self.prefix, layer=self.layer_number),)
 
@@ -284,9 +330,23 @@ class _Up(Factor):
         self.column_spans = tuple(self._columns(r, self.tp) for r in self.section_ranks)
         self.rows = self.output_span.size
         weight, bias_shape = self._shapes(output_size, self.section_ranks, self.tp, bias, unit_size)
-        self.weight = local_param(weight, config.params_dtype)  # Uᵀ per section
-        self.bias = None if bias_shape is None else local_param(bias_shape, config.params_dtype)
+        self.replicas = self._replicas(output_size, unit_size, self.tp)
+        duplicate = self.tp.rank % self.replicas != 0  # a lower rank holds the same rows
+        w_dim, b_dim = self._partition_dims
+        self.weight = local_param(weight, config.params_dtype, partition_dim=w_dim,  # Uᵀ per section
+                                  duplicate=duplicate)
+        self.bias = None if bias_shape is None else local_param(
+            bias_shape, config.params_dtype, partition_dim=b_dim, duplicate=duplicate)
         self._initialise(config, init_method)
+
+    # (weight, bias) split dimensions of the stored ``(sections, cols, rows)`` / ``(sections,
+    # rows)``; None: every rank holds them whole (replicated).
+    _partition_dims: tuple[int | None, int | None] = (None, None)
+
+    @classmethod
+    def _replicas(cls, output_size: int, unit_size: int, tp: TPView) -> int:
+        """How many ranks hold this rank's rows (more than one only for replicated units)."""
+        return 1
 
     @classmethod
     def cost(cls, output_size: int, section_ranks: Sequence[int], *, tp: TPView, bias: bool,
@@ -336,23 +396,40 @@ class _Up(Factor):
         check_shape(source, (self.output_size,), self.prefix, f"bias of section {shard_id}")
         param.data[shard_id].copy_(read_block(source, self.output_span.slice))
 
+    def _trained(self, param: torch.Tensor) -> torch.Tensor:
+        """``param`` as the forward pass uses it: where several ranks hold the same rows
+        (``replicas`` > 1), their gradients are summed so that every copy gets the gradient of
+        the whole model and the copies stay equal under training."""
+        if self.replicas == 1:
+            return param
+        span = self.output_span
+
+        def place(g: torch.Tensor) -> torch.Tensor:
+            full = g.new_zeros(*g.shape[:-1], self.output_size)
+            full[..., span.slice] = g
+            return full
+
+        return comm.sum_weight_grad_over_tp(param, self.tp, place, lambda f: f[..., span.slice],
+                                            site=self.prefix, layer=self.layer_number)
+
     def _matmul(self, latents: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """One GEMM per section, batched into a single ``bmm`` when there are several."""
+        weight = self._trained(self.weight)
         if len(latents) == 1:
-            return [latents[0] @ self.weight[0, : latents[0].shape[-1]]]
-        width = self.weight.shape[1]
+            return [latents[0] @ weight[0, : latents[0].shape[-1]]]
+        width = weight.shape[1]
         lead = latents[0].shape[:-1]
         stacked = torch.stack(
             [F.pad(c.reshape(-1, c.shape[-1]), (0, width - c.shape[-1])) for c in latents]
         )
-        out = torch.bmm(stacked, self.weight)
+        out = torch.bmm(stacked, weight)
         return [o.reshape(*lead, self.rows) for o in out]
 
     def forward(self, latents: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sections side by side; the bias is returned to be added once, by the caller."""
         outs = [self._finish(o) for o in self._matmul(latents)]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        return out, (None if self.bias is None else self.bias.reshape(-1))
+        return out, (None if self.bias is None else self._trained(self.bias).reshape(-1))
 
 
 class ShardedUp(_Up):
@@ -361,9 +438,16 @@ class ShardedUp(_Up):
     → out ``[..., sections · rows]`` with sections side by side (Megatron's ``stride`` layout).
     """
 
+    _partition_dims = (2, 1)  # the rows of each section's Uᵀ; the bias rows
+
     @classmethod
     def output_rows(cls, output_size: int, unit_size: int, tp: TPView) -> Span:
         return unit_split(output_size // unit_size, unit_size, tp)
+
+    @classmethod
+    def _replicas(cls, output_size: int, unit_size: int, tp: TPView) -> int:
+        units = output_size // unit_size
+        return tp.size // units if units < tp.size else 1
 
     def per_unit(self, z: torch.Tensor, unit_size: int) -> torch.Tensor:
         """Apply each unit's rows of U (and bias) to latents already mixed per unit.
@@ -386,6 +470,8 @@ class ReducedUp(_Up):
     The bias is replicated and returned to be added once (after the reduction).
     """
 
+    _partition_dims = (1, None)  # the columns of each section's Uᵀ; the bias is replicated
+
     @classmethod
     def _columns(cls, rank: int, tp: TPView) -> Span:
         return balanced_split(rank, tp)
@@ -402,3 +488,7 @@ class ReplicatedUp(_Up):
     """The whole U on every rank, applied to a full latent; no communication. The bias is
     returned once (not scaled by TP). Shapes: in 1-tuple ``[..., r]`` → out ``[..., out]``.
     """
+
+
+DownFactor = _Down  # every V factor (for selecting what to train)
+UpFactor = _Up  # every U factor

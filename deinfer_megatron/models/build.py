@@ -66,6 +66,41 @@ def padded_vocab_size(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp
 
 
+# What Megatron's grad-norm, clipping, DDP and optimizer read off a parameter.
+_PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
+                     "allreduce", "shared", "shared_embedding")
+
+
+def _to_empty_keeping_attributes(model: torch.nn.Module, device: torch.device) -> None:
+    """``model.to_empty(device)``, keeping the attributes set on each parameter (its
+    tensor-parallel marks): ``to_empty`` replaces meta parameters by new objects."""
+    saved = {name: {a: getattr(p, a) for a in _PARAM_ATTRIBUTES if hasattr(p, a)}
+             for name, p in model.named_parameters()}
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        for attr, value in saved[name].items():
+            setattr(p, attr, value)
+
+
+def _mark_megatron_shards(model: torch.nn.Module) -> None:
+    """Give Megatron's own layers the tensor-parallel marks they set only while initialising
+    (``perform_initialization``, off here because a checkpoint always follows): without them
+    Megatron's gradient norm would take a rank's shard for a copy of rank 0's."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    split = ((VocabParallelEmbedding, 0), (ColumnParallelLinear, 0), (RowParallelLinear, 1))
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        for cls, dim in split:
+            if isinstance(module, cls) and weight is not None and not hasattr(weight, "tensor_model_parallel"):
+                set_tensor_model_parallel_attributes(weight, True, dim, 1)
+
+
 def build_stage(
     arch: ModelArch,
     rank_config: RankConfig,
@@ -100,9 +135,10 @@ def build_stage(
             rotary_base=arch.rope_theta if arch.family != "opt" else 10000,
             pg_collection=groups.pg_collection,
         )
-    model.to_empty(device=groups.device)
+    _mark_megatron_shards(model)
+    _to_empty_keeping_attributes(model, groups.device)
     model.eval()
-    model.requires_grad_(False)
+    model.requires_grad_(False)  # inference; training turns on what it trains (``training``)
     return Stage(
         model=model,
         arch=arch,

@@ -5,8 +5,35 @@ this module is the one place where communication happens and is counted. Countin
 (``with recording() as ledger:``) and costs one ``ContextVar`` lookup per collective when off.
 
 A collective is recorded as its *element count per token*: for an all-gather, the width of the
-gathered result; for an all-reduce, the width of the reduced tensor. That is the unit DESIGN.md
-uses for its formulas, and what ``deinfer-megatron plan`` predicts.
+gathered result; for an all-reduce, the width of the reduced tensor; for a reduce-scatter, the
+width of the tensor before it is scattered. That is the unit DESIGN.md uses for its formulas, and
+what ``deinfer-megatron plan`` predicts.
+
+Training: every model collective is an autograd function whose backward is its adjoint, as in
+Megatron's ``tensor_parallel/mappings.py`` (DESIGN.md §3, "Training the factors"):
+
+  ====================================  ============================================
+  forward                               backward (of the gradient)
+  ====================================  ============================================
+  ``all_gather_last_dim``               reduce-scatter (``grad="reduce_scatter"``, the
+                                        gathered result feeds rank-specific work) or
+                                        this rank's slice (``grad="split"``, it feeds
+                                        replicated work, so every rank's gradient is
+                                        already whole)
+  ``all_reduce_sum``                    identity
+  ``copy_to_tp`` (identity)             all-reduce: the input is replicated and feeds
+                                        rank-split weights, each rank holds a part of
+                                        its gradient
+  ====================================  ============================================
+
+Backward collectives are recorded too, with ``phase="backward"`` (forward ones have
+``phase="forward"``); ``kinds``/``elements_per_token`` count the forward phase unless asked.
+Without autograd (``torch.no_grad``/``inference_mode``, or an input that needs no gradient) the
+functions run the plain collective: inference pays no autograd bookkeeping.
+
+``sum_weight_grad_over_tp`` is the one collective on weights rather than activations: a
+parameter slice held by several ranks (KV heads replicated when there are fewer than TP ranks)
+gets the sum of its replicas' gradients. It is recorded with ``phase="weight_grad"``.
 """
 
 from __future__ import annotations
@@ -15,7 +42,7 @@ import contextlib
 import contextvars
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -25,17 +52,21 @@ from deinfer_megatron.parallel.topology import TPView
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+PHASES = ("forward", "backward", "weight_grad")
 
 
 @dataclass(frozen=True)
 class CommRecord:
     """One collective as issued by one rank."""
 
-    kind: str  # "all_gather" | "all_reduce"
+    kind: str  # "all_gather" | "all_reduce" | "reduce_scatter"
     site: str  # "<layer number>.<module>", e.g. "3.linear_qkv_down"
     layer: int  # Megatron layer number (1-based, global); 0 outside transformer layers
-    elements_per_token: int
-    tokens: int
+    elements_per_token: int  # for phase "weight_grad": elements of the whole reduced tensor
+    tokens: int  # for phase "weight_grad": 1
+    phase: str = "forward"  # "forward" | "backward" (of activations) | "weight_grad"
 
 
 @dataclass
@@ -50,11 +81,18 @@ class CommLedger:
             out.setdefault(rec.layer, []).append(rec)
         return out
 
-    def kinds(self, layer: int) -> Counter[str]:
-        return Counter(r.kind for r in self.records if r.layer == layer)
+    def kinds(self, layer: int, phase: str = "forward") -> Counter[str]:
+        return Counter(r.kind for r in self.records if r.layer == layer and r.phase == phase)
 
-    def elements_per_token(self, layer: int) -> int:
-        return sum(r.elements_per_token for r in self.records if r.layer == layer)
+    def elements_per_token(self, layer: int, phase: str = "forward") -> int:
+        return sum(r.elements_per_token for r in self.records
+                   if r.layer == layer and r.phase == phase)
+
+    def phase(self, phase: str) -> list[CommRecord]:
+        """The records of one phase (``PHASES``), in the order they were issued."""
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; choose one of {', '.join(PHASES)}")
+        return [r for r in self.records if r.phase == phase]
 
     def clear(self) -> None:
         self.records.clear()
@@ -76,11 +114,12 @@ def recording(ledger: CommLedger | None = None) -> Iterator[CommLedger]:
         _ACTIVE.reset(token)
 
 
-def _record(kind: str, site: str, layer: int, width: int, x: torch.Tensor) -> None:
-    ledger = _ACTIVE.get()
+def _record(kind: str, site: str, layer: int, width: int, x: torch.Tensor,
+            phase: str = "forward", ledger: CommLedger | None = None) -> None:
+    ledger = ledger if ledger is not None else _ACTIVE.get()
     if ledger is not None:
         tokens = x.numel() // max(x.shape[-1], 1)
-        ledger.records.append(CommRecord(kind, site, layer, width, tokens))
+        ledger.records.append(CommRecord(kind, site, layer, width, tokens, phase))
 
 
 def _require_group(tp: TPView, op: str, site: str) -> dist.ProcessGroup:
@@ -92,34 +131,156 @@ def _require_group(tp: TPView, op: str, site: str) -> dist.ProcessGroup:
     return tp.group
 
 
-def all_gather_last_dim(x: torch.Tensor, tp: TPView, *, site: str, layer: int) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along the last dimension, in rank order.
+def _needs_grad(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
 
-    Args:
-        x: ``[..., c]`` local chunk, the same shape on every rank.
-    Returns:
-        ``[..., tp.size * c]`` on every rank.
-    """
-    if tp.size == 1:
-        return x
-    group = _require_group(tp, "all-gather", site)
+
+def _gather(x: torch.Tensor, tp: TPView, group: dist.ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_flat(out, x, group=group)
-    _record("all_gather", site, layer, tp.size * x.shape[-1], x)
     chunks = out.view(tp.size, *x.shape)
     return chunks.movedim(0, -2).reshape(*x.shape[:-1], tp.size * x.shape[-1])
 
 
+def _reduce_scatter(g: torch.Tensor, tp: TPView, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum ``g [..., t·c]`` over the ranks and keep this rank's ``[..., c]`` (the adjoint of
+    ``_gather``): the chunks move to the front so each rank's slice is contiguous."""
+    c = g.shape[-1] // tp.size
+    chunks = g.reshape(*g.shape[:-1], tp.size, c).movedim(-2, 0).contiguous()
+    out = torch.empty(chunks.shape[1:], dtype=g.dtype, device=g.device)
+    _reduce_scatter_flat(out, chunks.view(-1, *out.shape[1:]), group=group)
+    return out
+
+
+def _sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+class _GatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TPView, group: dist.ProcessGroup, site: str,
+                layer: int, grad: str, ledger: CommLedger | None) -> torch.Tensor:
+        ctx.tp, ctx.group, ctx.site, ctx.layer, ctx.grad, ctx.ledger = tp, group, site, layer, grad, ledger
+        return _gather(x, tp, group)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        tp = ctx.tp
+        if ctx.grad == "split":
+            c = g.shape[-1] // tp.size
+            return g[..., tp.rank * c : (tp.rank + 1) * c].contiguous(), None, None, None, None, None, None
+        out = _reduce_scatter(g, tp, ctx.group)
+        _record("reduce_scatter", ctx.site, ctx.layer, g.shape[-1], g, "backward", ctx.ledger)
+        return out, None, None, None, None, None, None
+
+
+class _SumOverTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        return _sum(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return g, None
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TPView, site: str, layer: int,
+                ledger: CommLedger | None) -> torch.Tensor:
+        ctx.tp, ctx.site, ctx.layer, ctx.ledger = tp, site, layer, ledger
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        out = _sum(g.clone(), _require_group(ctx.tp, "backward all-reduce", ctx.site))
+        _record("all_reduce", ctx.site, ctx.layer, g.shape[-1], g, "backward", ctx.ledger)
+        return out, None, None, None, None
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, tp: TPView, scatter: Any, site: str,
+                layer: int, ledger: CommLedger | None) -> torch.Tensor:
+        ctx.tp, ctx.scatter, ctx.site, ctx.layer, ctx.ledger = tp, scatter, site, layer, ledger
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        place, take = ctx.scatter
+        full = _sum(place(g), _require_group(ctx.tp, "weight-gradient all-reduce", ctx.site))
+        _record("all_reduce", ctx.site, ctx.layer, full.numel(), full.reshape(1, -1), "weight_grad",
+                ctx.ledger)
+        return take(full), None, None, None, None, None
+
+
+def all_gather_last_dim(x: torch.Tensor, tp: TPView, *, site: str, layer: int,
+                        grad: str = "reduce_scatter") -> torch.Tensor:
+    """Concatenate every rank's ``x`` along the last dimension, in rank order.
+
+    Args:
+        x: ``[..., c]`` local chunk, the same shape on every rank.
+        grad: the backward: ``"reduce_scatter"`` when the gathered tensor feeds rank-specific
+            work (each rank's gradient of it is a partial sum), ``"split"`` when it feeds
+            replicated work (every rank already holds the whole gradient).
+    Returns:
+        ``[..., tp.size * c]`` on every rank.
+    """
+    if grad not in ("reduce_scatter", "split"):
+        raise ValueError(f"{site}: grad must be 'reduce_scatter' or 'split', got {grad!r}")
+    if tp.size == 1:
+        return x
+    group = _require_group(tp, "all-gather", site)
+    _record("all_gather", site, layer, tp.size * x.shape[-1], x)
+    if not _needs_grad(x):
+        return _gather(x, tp, group)
+    return _GatherLastDim.apply(x, tp, group, site, layer, grad, _ACTIVE.get())
+
+
 def all_reduce_sum(x: torch.Tensor, tp: TPView, *, site: str, layer: int) -> torch.Tensor:
-    """Sum ``x`` over the tensor-parallel ranks (in place when possible) and return it."""
+    """Sum ``x`` over the tensor-parallel ranks and return it (in place when no gradient is
+    needed). Backward: identity — the sum's gradient is the same on every rank and each
+    partial input gets all of it."""
     if tp.size == 1:
         return x
     group = _require_group(tp, "all-reduce", site)
-    x = x.contiguous()
-    dist.all_reduce(x, group=group)
     _record("all_reduce", site, layer, x.shape[-1], x)
-    return x
+    if not _needs_grad(x):
+        return _sum(x, group)
+    return _SumOverTP.apply(x, group)
+
+
+def copy_to_tp(x: torch.Tensor, tp: TPView, *, site: str, layer: int) -> torch.Tensor:
+    """Identity in the forward pass; the gradient is summed over the tensor-parallel ranks.
+
+    Called on a replicated input before rank-split weights read it (Megatron's
+    ``copy_to_tensor_model_parallel_region``): each rank's weights contribute a part of the
+    input's gradient, and upstream replicated work needs all of it. Nothing is issued (or
+    recorded) in the forward pass, nor when no gradient flows; a view without a process group
+    (single-process shard tests) runs the forward and refuses only the backward.
+    """
+    if tp.size == 1 or not _needs_grad(x):
+        return x
+    return _CopyToTP.apply(x, tp, site, layer, _ACTIVE.get())
+
+
+def sum_weight_grad_over_tp(w: torch.Tensor, tp: TPView, place: Any, take: Any, *, site: str,
+                            layer: int) -> torch.Tensor:
+    """Identity on a weight ``w`` whose gradient is summed over the ranks that hold the same
+    slice (replicas), for use in forward: ``y = x @ sum_weight_grad_over_tp(w, ...)``.
+
+    Args:
+        place: ``g -> full`` puts this rank's gradient into a zero tensor laid out for the whole
+            group (one slot per distinct slice, replicas in the same slot).
+        take: ``full -> g`` reads this rank's slot back.
+    One all-reduce of the whole tensor per backward; none without autograd or at TP 1.
+    """
+    if tp.size == 1 or not _needs_grad(w):
+        return w
+    return _SumGradOverTP.apply(w, tp, (place, take), site, layer, _ACTIVE.get())
 
 
 # ------------------------------------------------------------------ between pipeline stages
@@ -151,6 +312,14 @@ def max_over_world(x: torch.Tensor) -> torch.Tensor:
     """Element-wise maximum of ``x`` over every rank of the job (bookkeeping, e.g. the largest
     KV cache any rank holds); not a model collective, not recorded."""
     dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
+def sum_over_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum ``x`` over every rank of ``group`` (training bookkeeping across stages: the global
+    gradient norm, the two copies of tied embeddings); not a TP model collective, not recorded."""
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
     return x
 
 

@@ -1,9 +1,10 @@
 """CPU shims for Megatron-Core 0.16.1, each as narrow as the upstream function it covers.
 
-Megatron-Core assumes a CUDA device in a handful of places on the inference path, even with
-``use_cpu_initialization=True``: it allocates on ``torch.cuda.current_device()``, calls
+Megatron-Core assumes a CUDA device in a handful of places on the inference path and in its
+training schedules, even with ``use_cpu_initialization=True``: it allocates on
+``torch.cuda.current_device()`` or with ``torch.zeros(..., device="cuda")``, calls
 ``Tensor.cuda()``, times steps with ``torch.cuda.Event`` and syncs with
-``torch.cuda.synchronize()``. Those four are replaced by CPU stand-ins only *while one of the
+``torch.cuda.synchronize()``. Those five are replaced by CPU stand-ins only *while one of the
 covered upstream functions runs* (``COVERED``): each is wrapped so that it runs inside
 ``cpu_stand_ins()``, and where other Megatron modules imported the function by name, their
 references are replaced too. Outside those calls ``torch.cuda`` is torch's own — on a CPU-only
@@ -61,6 +62,10 @@ COVERED: tuple[tuple[str, str], ...] = (
     ("megatron.core.models.common.language_module.language_module",
      "LanguageModule.setup_embeddings_and_output_layer"),
     ("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank"),
+    # training schedules: the token counter is made with torch.zeros(device="cuda"); the
+    # pipelined one's send/recv buffers go on torch.cuda.current_device(), then it syncs
+    ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining"),
+    ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_without_interleaving"),
 )
 
 _APPLIED = False
@@ -108,6 +113,16 @@ def _no_synchronize(*args: object, **kwargs: object) -> None:
     return None
 
 
+_torch_zeros = torch.zeros
+
+
+def _cpu_zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+    """``torch.zeros`` whose ``device="cuda"`` means the CPU (the schedules' token counter)."""
+    if device is not None and torch.device(device).type == "cuda":
+        device = "cpu"
+    return _torch_zeros(*args, device=device, **kwargs)
+
+
 def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     """Replaces ``megatron.core.transformer.utils.get_default_causal_mask`` (builds on "cuda").
 
@@ -127,6 +142,7 @@ _STAND_INS: tuple[tuple[Any, str, Any], ...] = (
     (torch.Tensor, "cuda", _cpu_tensor_cuda),
     (torch.cuda, "Event", CpuTimingEvent),
     (torch.cuda, "synchronize", _no_synchronize),
+    (torch, "zeros", _cpu_zeros),
 )
 _MISSING = object()  # Tensor.cuda lives on torch._C.TensorBase, not in Tensor's own __dict__
 _lock = threading.Lock()
@@ -136,8 +152,8 @@ _saved: list[Any] = []
 
 @contextlib.contextmanager
 def cpu_stand_ins() -> Iterator[None]:
-    """Within this block ``torch.cuda.current_device``, ``Tensor.cuda``, ``torch.cuda.Event`` and
-    ``torch.cuda.synchronize`` are the CPU stand-ins; torch's own come back when the outermost
+    """Within this block ``torch.cuda.current_device``, ``Tensor.cuda``, ``torch.cuda.Event``,
+    ``torch.cuda.synchronize`` and ``torch.zeros`` (for ``device="cuda"``) are the CPU stand-ins; torch's own come back when the outermost
     block ends (covered functions call each other, so the block nests)."""
     global _depth
     with _lock:

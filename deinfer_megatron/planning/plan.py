@@ -2,12 +2,14 @@
 
 For every transformer layer: whether it is dense or decomposed, its ranks, the parameters one
 rank holds, the collectives it issues per token (kind and element count, the unit of
-DESIGN.md §3) and the KV-cache bytes per token one rank stores (full K/V, and rank-r latents).
+DESIGN.md §3) in a forward pass and in one training step (forward + backward of the
+activations), and the KV-cache bytes per token one rank stores (full K/V, and rank-r latents).
 The planner knows no layout: it walks the layers, takes each block's classes from the layout
 table (``Layout.factor_classes``; None = Megatron's dense blocks) and asks those classes what
 they cost (``cost``), without building them. The test suite checks the numbers against an
 instrumented forward pass and the parameters a built model really allocates.
-Collectives of the embedding and the output layer (Megatron's own) are not included.
+Collectives of the embedding and the output layer (Megatron's own) are not included, nor the
+per-step (not per-token) sum of replicated KV heads' weight gradients.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class LayerPlan:
     collective_ops: list[tuple[str, int]]  # (kind, elements per token)
     elements_per_token: int
     kv_bytes_per_token: dict[str, int | None]  # {"full": ..., "latent": ... or None}
+    backward_ops: list[tuple[str, int]] = field(default_factory=list)  # (kind, elements per token)
+    training_collectives: int = 0  # forward + backward, per token
+    training_elements_per_token: int = 0
 
 
 @dataclass
@@ -54,7 +59,8 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         for layer in out["layers"]:
-            layer["collective_ops"] = [{"kind": k, "elements": e} for k, e in layer["collective_ops"]]
+            for key in ("collective_ops", "backward_ops"):
+                layer[key] = [{"kind": k, "elements": e} for k, e in layer[key]]
         return out
 
 
@@ -115,6 +121,8 @@ def layer_plan(
         attention, ffn = _block_costs(config, classes, attn, mlp, TPView(rank, tp))
         params = max(params, attention.params + ffn.params + _norm_params(arch))
     ops = [(c.kind, c.elements) for c in attention.collectives + ffn.collectives]
+    # the backward pass runs the blocks, and each block's parts, in reverse order
+    backward = [(c.kind, c.elements) for c in (attention.backward + ffn.backward)[::-1]]
     full = 2 * attention.kv_heads * arch.head_dim * dtype_bytes
     latent = None if attn is None else (attn.k + attn.v) * dtype_bytes
     # kind and ranks describe the model; the dense layout serves the same factors multiplied out
@@ -130,6 +138,9 @@ def layer_plan(
         collective_ops=ops,
         elements_per_token=sum(e for _, e in ops),
         kv_bytes_per_token={"full": full, "latent": latent},
+        backward_ops=backward,
+        training_collectives=len(ops) + len(backward),
+        training_elements_per_token=sum(e for _, e in ops + backward),
     )
 
 
@@ -191,6 +202,9 @@ def make_plan(
         "collectives_per_token": sum(l.collectives for l in layers),
         "elements_per_token": sum(l.elements_per_token for l in layers),
         "elements_per_forward": sum(l.elements_per_token for l in layers) * tokens,
+        "training_collectives_per_token": sum(l.training_collectives for l in layers),
+        "training_elements_per_token": sum(l.training_elements_per_token for l in layers),
+        "elements_per_training_step": sum(l.training_elements_per_token for l in layers) * tokens,
         "kv_bytes_per_token": {"full": max(kv_full), "latent": max(kv_latent)},
         "kv_bytes_for_batch": {"full": max(kv_full) * tokens, "latent": max(kv_latent) * tokens},
     }

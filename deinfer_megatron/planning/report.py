@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from deinfer_megatron.planning.plan import LayerPlan, Plan
 
-_SHORT = {"all_gather": "AG", "all_reduce": "AR"}
+_SHORT = {"all_gather": "AG", "all_reduce": "AR", "reduce_scatter": "RS"}
 
 
 def human(n: float) -> str:
@@ -33,7 +33,8 @@ def _kv(layer: LayerPlan) -> str:
 
 
 def format_plans(plans: list[Plan]) -> str:
-    """One row per layer; per layout: collectives, elements/token, params/rank, KV bytes."""
+    """One row per layer; per layout: collectives, elements/token (forward; and of a training
+    step, forward + backward), params/rank, KV bytes."""
     first = plans[0]
     lines = [
         f"TP={first.tp} PP={first.pp} batch={first.batch} seq={first.seq} "
@@ -41,13 +42,14 @@ def format_plans(plans: list[Plan]) -> str:
     ]
     head = f"{'layer':>5} {'kind':<20} {'ranks':<28}"
     for p in plans:
-        head += f" | {p.layout + ' collectives':<28} {'elem':>6} {'params':>7} {'KV B':>9}"
+        head += f" | {p.layout + ' collectives':<28} {'elem':>6} {'train':>6} {'params':>7} {'KV B':>9}"
     lines += [head, "-" * len(head)]
     for i, layer in enumerate(first.layers):
         row = f"{layer.index:>5} {layer.kind:<20} {_ranks(layer):<28}"
         for p in plans:
             lp = p.layers[i]
-            row += f" | {_ops(lp):<28} {lp.elements_per_token:>6} {human(lp.params_per_rank):>7} {_kv(lp):>9}"
+            row += (f" | {_ops(lp):<28} {lp.elements_per_token:>6} {lp.training_elements_per_token:>6} "
+                    f"{human(lp.params_per_rank):>7} {_kv(lp):>9}")
         lines.append(row)
     lines.append("-" * len(head))
     for p in plans:
@@ -58,6 +60,8 @@ def format_plans(plans: list[Plan]) -> str:
             f"{human(t['elements_per_token'])} elements per token, "
             f"{human(t['params_per_rank'])} params per rank, KV cache {human(kv['full'])} B/token full, "
             f"{human(kv['latent'])} B/token latent; per forward of {p.batch}x{p.seq} tokens: "
-            f"{human(t['elements_per_forward'])} elements, KV {human(t['kv_bytes_for_batch']['full'])} B full"
+            f"{human(t['elements_per_forward'])} elements, KV {human(t['kv_bytes_for_batch']['full'])} B full; "
+            f"a training step (forward + backward): {t['training_collectives_per_token']} collectives and "
+            f"{human(t['training_elements_per_token'])} elements per token"
         )
     return "\n".join(lines)

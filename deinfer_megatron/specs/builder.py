@@ -15,7 +15,6 @@ from typing import Any
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -34,7 +33,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from deinfer_megatron.layers.attention import FactoredAttentionSubmodules, FactoredSelfAttention
 from deinfer_megatron.layers.core_attention import SdpaCoreAttention
-from deinfer_megatron.layers.dense import CountedRowParallelLinear
+from deinfer_megatron.layers.dense import CountedColumnParallelLinear, CountedRowParallelLinear
 from deinfer_megatron.specs.layout import FACTOR_CLASSES, FactorClasses, Layout
 from deinfer_megatron.specs.rank_config import LayerRanks, RankConfig
 
@@ -44,6 +43,7 @@ def _norm(config: Any) -> Any:
 
 
 def _row(cls: type, number: int, prefix: str, **params: Any) -> ModuleSpec:
+    """A linear slot's spec: ``cls`` with its layer number and ledger name (and ``params``)."""
     return ModuleSpec(module=cls, params={"layer_number": number, "prefix": prefix, **params})
 
 
@@ -52,7 +52,7 @@ def _dense_attention(number: int) -> ModuleSpec:
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
-            linear_qkv=ColumnParallelLinear,
+            linear_qkv=_row(CountedColumnParallelLinear, number, f"{number}.linear_qkv"),
             core_attention=DotProductAttention,
             linear_proj=_row(CountedRowParallelLinear, number, f"{number}.linear_proj"),
             q_layernorm=IdentityOp,
@@ -86,7 +86,7 @@ def _dense_mlp(number: int) -> ModuleSpec:
     return ModuleSpec(
         module=MLP,
         submodules=MLPSubmodules(
-            linear_fc1=ColumnParallelLinear,
+            linear_fc1=_row(CountedColumnParallelLinear, number, f"{number}.linear_fc1"),
             linear_fc2=_row(CountedRowParallelLinear, number, f"{number}.linear_fc2"),
         ),
     )

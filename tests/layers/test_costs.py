@@ -42,7 +42,7 @@ def fake_comm(monkeypatch):
     """Record (kind, elements per token) of every collective instead of issuing it."""
     seen: list[tuple[str, int]] = []
 
-    def gather(x, tp, *, site, layer):
+    def gather(x, tp, *, site, layer, grad="reduce_scatter"):
         if tp.size == 1:
             return x
         seen.append(("all_gather", tp.size * x.shape[-1]))
@@ -55,6 +55,10 @@ def fake_comm(monkeypatch):
 
     monkeypatch.setattr(factors.comm, "all_gather_last_dim", gather)
     monkeypatch.setattr(factors.comm, "all_reduce_sum", reduce)
+    # forward identities (their backward collectives are checked on real ranks, tests/training)
+    monkeypatch.setattr(factors.comm, "copy_to_tp", lambda x, tp, *, site, layer: x)
+    monkeypatch.setattr(factors.comm, "sum_weight_grad_over_tp",
+                        lambda w, tp, place, take, *, site, layer: w)
     return seen
 
 

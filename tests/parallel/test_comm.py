@@ -21,6 +21,35 @@ def local_tensor(rank: int) -> torch.Tensor:
     return torch.randn(*SHAPE, generator=torch.Generator().manual_seed(10 + rank))
 
 
+def weights(rank: int, width: int) -> torch.Tensor:
+    """A rank-specific linear loss ``(y * W_rank).sum()`` makes each rank's gradient differ."""
+    return torch.randn(SHAPE[0], SHAPE[1], width, generator=torch.Generator().manual_seed(50 + rank))
+
+
+def _backward_checks(tp: TPView) -> tuple[dict[str, torch.Tensor], list]:
+    """Gradients of each collective's input under rank-specific or common linear losses."""
+    c = SHAPE[-1]
+    out = {}
+    with comm.recording() as ledger:
+        x = local_tensor(tp.rank).requires_grad_()
+        (comm.all_gather_last_dim(x, tp, site="g", layer=1) * weights(tp.rank, 2 * c)).sum().backward()
+        out["gather_reduce_scatter"] = x.grad
+        x = local_tensor(tp.rank).requires_grad_()
+        (comm.all_gather_last_dim(x, tp, site="g", layer=1, grad="split") * weights(9, 2 * c)).sum().backward()
+        out["gather_split"] = x.grad
+        x = local_tensor(tp.rank).requires_grad_()
+        (comm.copy_to_tp(x, tp, site="c", layer=2) * weights(tp.rank, c)).sum().backward()
+        out["copy"] = x.grad
+        x = local_tensor(tp.rank).requires_grad_()
+        (comm.all_reduce_sum(x, tp, site="r", layer=2) * weights(9, c)).sum().backward()
+        out["reduce"] = x.grad
+        w = torch.zeros(3, requires_grad=True)
+        same_slot = comm.sum_weight_grad_over_tp(w, tp, lambda g: g, lambda f: f, site="w", layer=3)
+        (same_slot * torch.tensor([1.0, 2.0, 3.0]) * (tp.rank + 1)).sum().backward()
+        out["weight"] = w.grad
+    return out, [(r.kind, r.site, r.elements_per_token, r.tokens, r.phase) for r in ledger.records]
+
+
 def _comm_worker() -> dict[str, Any]:
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
 
@@ -40,7 +69,8 @@ def _comm_worker() -> dict[str, Any]:
         broadcast = comm.broadcast_from(x.clone(), src=1, group=tp.group)
         largest = comm.max_over_world(torch.tensor([float(tp.rank), -float(tp.rank)]))
         comm.barrier(tp)
-        return {"rank": tp.rank, "gathered": gathered, "reduced": reduced, "received": received,
+        grads, backward = _backward_checks(tp)
+        return {"grads": grads, "backward": backward,"rank": tp.rank, "gathered": gathered, "reduced": reduced, "received": received,
                 "broadcast": broadcast, "largest": largest, "records": list(ledger.records),
                 "by_layer": {k: len(v) for k, v in ledger.by_layer().items()},
                 "kinds": dict(ledger.kinds(4)), "elements": ledger.elements_per_token(4)}
@@ -98,3 +128,41 @@ def test_a_view_without_a_group_refuses_to_communicate() -> None:
         comm.all_reduce_sum(local_tensor(0), TPView(1, 2), site="site.x", layer=1)
     with pytest.raises(RuntimeError, match="all-gather over 2"):
         comm.all_gather_last_dim(local_tensor(0), TPView(0, 2), site="site.y", layer=1)
+
+
+def test_each_backward_is_the_adjoint_of_its_collective(results) -> None:
+    """The gradients a linear loss gives, written out: all-gather → the sum over ranks of each
+    rank's gradient slice (reduce-scatter) or this rank's slice of the common one (split);
+    copy → the sum of every rank's gradient; all-reduce → the common gradient itself; a
+    replicated weight → the sum of its replicas' gradients."""
+    c = SHAPE[-1]
+    total = weights(0, 2 * c) + weights(1, 2 * c)
+    for r in results:
+        k = r["rank"]
+        g = r["grads"]
+        torch.testing.assert_close(g["gather_reduce_scatter"], total[..., k * c:(k + 1) * c])
+        torch.testing.assert_close(g["gather_split"], weights(9, 2 * c)[..., k * c:(k + 1) * c])
+        torch.testing.assert_close(g["copy"], weights(0, c) + weights(1, c))
+        torch.testing.assert_close(g["reduce"], weights(9, c))
+        torch.testing.assert_close(g["weight"], torch.tensor([3.0, 6.0, 9.0]))
+
+
+def test_backward_collectives_are_recorded_apart_from_the_forward(results) -> None:
+    for r in results:
+        assert r["backward"] == [
+            ("all_gather", "g", 8, 6, "forward"), ("reduce_scatter", "g", 8, 6, "backward"),
+            ("all_gather", "g", 8, 6, "forward"),  # split: no collective
+            ("all_reduce", "c", 4, 6, "backward"),  # copy: none forward
+            ("all_reduce", "r", 4, 6, "forward"),  # its backward is the identity
+            ("all_reduce", "w", 3, 1, "weight_grad"),
+        ]
+
+
+def test_without_autograd_nothing_backward_is_set_up() -> None:
+    x = local_tensor(0).requires_grad_()
+    with torch.no_grad():
+        assert comm.copy_to_tp(x, TPView(0, 2), site="c", layer=1) is x
+    frozen = local_tensor(0)
+    assert comm.copy_to_tp(frozen, TPView(0, 2), site="c", layer=1) is frozen
+    with pytest.raises(ValueError, match="grad must be 'reduce_scatter' or 'split'"):
+        comm.all_gather_last_dim(frozen, TPView(0, 2), site="g", layer=1, grad="sum")
