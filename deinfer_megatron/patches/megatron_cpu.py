@@ -61,6 +61,10 @@ COVERED: tuple[tuple[str, str], ...] = (
     ("megatron.core.models.common.language_module.language_module",
      "LanguageModule.setup_embeddings_and_output_layer"),
     ("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank"),
+    # dist checkpoints: the torch_dist writer's torch.cuda.current_device() for its failure
+    # flag and torch.cuda.synchronize() before writing; the loader's synchronize
+    ("megatron.core.dist_checkpointing.serialization", "save"),
+    ("megatron.core.dist_checkpointing.serialization", "load"),
 )
 
 _APPLIED = False
