@@ -17,7 +17,7 @@ PACKAGE_ORDER: tuple[frozenset[str], ...] = (
     frozenset({"checkpoints"}),  # name/shape table, shard loaders, model folders, converters
     frozenset({"models"}),  # building and loading a pipeline stage; its forward across stages
     frozenset({"planning"}),  # the cost of a layout, computed without running it
-    frozenset({"evaluation", "generation", "decompose"}),  # the jobs
+    frozenset({"evaluation", "generation", "decompose", "conversion"}),  # the jobs
     frozenset({"bench"}),  # timing the jobs
     frozenset({"cli"}),  # argument parsing into config dataclasses
 )

@@ -118,6 +118,10 @@ def load_model_state(stage: Any, folder: str | Path, source_ranks: RankConfig) -
         loaded = dist_checkpointing.load({"model": sharded_model_state(stage)}, str(folder))
     with torch.no_grad():
         stage.model.load_state_dict(loaded["model"], strict=True)
+    bad = next((n for n, p in stage.model.named_parameters() if not torch.isfinite(p).all()), None)
+    if bad is not None:
+        raise ValueError(f"{folder}: parameter {bad} holds NaN or infinite values; the checkpoint is "
+                         "corrupted — re-create it")
 
 
 def read_hf_tensors(folder: str | Path, arch: ModelArch, rank_config: RankConfig) -> dict[str, torch.Tensor]:

@@ -117,13 +117,25 @@ def build_stage(
 
 def load_folder(path: str | Path, layout: Layout | str, groups: ParallelGroups, *,
                 dtype: torch.dtype = torch.float32, verify: bool = True) -> Stage:
-    """Open a model folder (dense or decomposed) and load this rank's stage.
+    """Open a model folder (dense or decomposed), or a Megatron checkpoint written by
+    ``convert --to megatron``, and load this rank's stage.
 
     ``verify=False`` when the command verified the manifest already, before the ranks started;
     shapes and non-finite values are checked either way.
     """
+    from deinfer_megatron.checkpoints.dist_checkpoint import (
+        is_dist_checkpoint,
+        iteration_dir,
+        load_model_state,
+        open_checkpoint,
+    )
     from deinfer_megatron.checkpoints.folder import open_model
 
+    if is_dist_checkpoint(path):  # Megatron's dist_checkpointing reads this rank's slices only
+        arch, ranks, _, _ = open_checkpoint(path, verify=verify, weights=False)
+        stage = build_stage(arch, ranks, layout, groups, dtype=dtype)
+        load_model_state(stage, iteration_dir(path), ranks)
+        return stage
     folder = open_model(path, verify=verify)
     stage = build_stage(folder.arch, folder.rank_config, layout, groups, dtype=dtype)
     load_weights(stage, folder.source, folder.rank_config)
