@@ -102,3 +102,35 @@ def test_decomposed_folder_matches_multiplied_out(family: str, layout: str, tmp_
     ref = assert_matches(got, hf)
     # the factors must matter, or the comparison above would not test them
     assert (ref - dense_logits).abs().max().item() > 1e-2 * max(1.0, ref.abs().max().item())
+
+
+def test_load_at_other_tp_generates_the_multiplied_out_tokens(tmp_path: Path) -> None:
+    """examples/load_at_other_tp.py saves at TP=2 under deinfer and loads at TP=1 under naive:
+    the prompt's logits and the greedy tokens are Hugging Face's with the factors multiplied out."""
+    example_file = REPO_ROOT / "examples" / "load_at_other_tp.py"
+    spec = importlib.util.spec_from_file_location("load_at_other_tp", example_file)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)  # defines functions only
+    from deinfer_megatron.models.synthetic import synthetic_config
+
+    out = tmp_path / "logits.pt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(example_file), "--save-tp", "2", "--load-tp", "1", "--layout", "naive",
+                           "--save-logits", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, f"the example failed:\n{proc.stdout}\n{proc.stderr}"
+    assert "saved at TP=2" in proc.stdout and "TP=1, layout naive: greedy tokens" in proc.stdout, proc.stdout
+    got = torch.load(out)
+
+    _, _, state = example.synthetic_model()
+    cfg = synthetic_config(example.SYNTHETIC)
+    cfg.pop("model_type")
+    config = transformers.LlamaConfig(**cfg)
+    config._attn_implementation = "eager"
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.load_state_dict(multiplied_out(state), strict=True)
+    assert_matches(got, hf)
+    with torch.no_grad():
+        want = hf.generate(got["input_ids"], max_new_tokens=got["tokens"].shape[1], do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    assert torch.equal(got["tokens"], want[:, got["input_ids"].shape[1]:])

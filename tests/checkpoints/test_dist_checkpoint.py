@@ -5,8 +5,8 @@ Tiny mixed models (layer 1 dense, variadic ranks not divisible by TP): LLaMA wit
 KV heads (so that TP=3 splits it), Qwen2 (QKV bias, tied embeddings, 2 KV heads: replicated at
 TP=4, so all its attention is decomposed) and OPT (biases everywhere, learned positions). Each
 is saved by ``dist_checkpointing.save`` at TP=2 under ``deinfer`` and at PP=2 under ``naive``,
-and loaded under ``deinfer``, ``naive`` and ``dense`` (factors multiplied out) at TP 1 and 2
-(both saves), TP 3 (LLaMA, both), TP 4 (Qwen2 and OPT, the TP=2 save) and TP2×PP2 (Qwen2 — a
+and loaded under ``deinfer``, ``naive`` and ``dense`` (factors multiplied out) at TP 2 (both
+saves, in the launch that saved), TP 3 (LLaMA, both), TP 4 (Qwen2 and OPT, the TP=2 save) and TP2×PP2 (Qwen2 — a
 tied head on its own stage — and OPT, the PP=2 save). The reference is a single-process Hugging Face
 model whose decomposed matrices are multiplied out; a load at the saving size and layout gives
 bit-identical logits. Read back in one process, the saved global tensors are exactly the
@@ -29,7 +29,7 @@ LAYOUTS = ("deinfer", "naive", "dense")
 TOL = 1e-4
 SAVES = {"tp2": (2, 1, "deinfer"), "pp2": (1, 2, "naive")}  # name → (tp, pp, layout)
 # world size → the (tp, pp) sizes one launch loads at
-LOADS = {1: [(1, 1)], 3: [(3, 1)], 4: [(4, 1), (2, 2)]}
+LOADS = {3: [(3, 1)], 4: [(4, 1), (2, 2)]}  # TP=1 loads: tests/cli/test_convert_cli.py, the examples
 SPLITS = {(1, 1): ("llama", "qwen2", "opt"), (2, 1): ("llama", "qwen2", "opt"), (1, 2): ("llama", "qwen2", "opt"),
           (3, 1): ("llama",), (4, 1): ("qwen2", "opt"), (2, 2): ("qwen2", "opt")}
 # which saves each size loads (all layouts each): TP 2 → 1, 2, 3, 4 and PP 2 → 1, 2, TP2×PP2
