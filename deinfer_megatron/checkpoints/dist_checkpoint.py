@@ -34,7 +34,6 @@ import torch
 from deinfer_megatron.arch.model import ModelArch, load_arch
 from deinfer_megatron.checkpoints.dcp import read_dcp_tensors
 from deinfer_megatron.checkpoints.dist_names import dist_to_hf
-from deinfer_megatron.checkpoints.hf_names import embedding_name
 from deinfer_megatron.files.checksums import sha256
 from deinfer_megatron.specs.rank_config import RankConfig
 
@@ -179,7 +178,4 @@ def open_checkpoint(path: str | Path, *, verify: bool = True, weights: bool = Tr
         verify_manifest(root, manifest, [*configs, *stored], only=None if weights else configs)
     rank_config = RankConfig.load(rank_file, arch) if rank_file.is_file() else RankConfig.dense(arch)
     tensors = read_hf_tensors(iteration_dir(root), arch, rank_config) if weights else None
-    if tensors is not None and arch.tied_embeddings:
-        tensors.pop("lm_head.weight", None)
-    assert tensors is None or embedding_name(arch) in tensors, "dist_to_hf returns every tensor"
     return arch, rank_config, manifest, tensors

@@ -60,6 +60,8 @@ def _local_index(module: Any, pname: str, param: torch.Tensor) -> list[tuple[tup
 
     The module's own loader is run on a tensor of ids ``1..n`` (float64: exact), into a
     scratch parameter filled with -1; what lands where is the split rule, padding included.
+    Costs one float64 copy of each section's global tensor while a state dict is built (at save
+    and load time, never in a forward pass).
     """
     loader, sections = module.loader_for(pname)
     out = []
@@ -125,8 +127,8 @@ def _factory(module: Any, pname: str, param: nn.Parameter, key: str, replica_id:
     def build(key: str, data: torch.Tensor, replica: Any, flattened_range: Any) -> dict[int, Any]:
         out = {}
         for s, (offset, region, where) in held:
-            if where is None:
-                piece, rep = torch.zeros(region, dtype=dtype, device=data.device), (*replica[:1], 1 + module.tp.rank, *replica[2:])
+            if where is None:  # a non-main replica: loaded, never saved
+                piece, rep = torch.zeros(region, dtype=dtype, device=data.device), (replica[0], 1 + module.tp.rank, *replica[2:])
             else:
                 piece, rep = data.detach().reshape(-1)[where].reshape(region), replica
             out[s] = ShardedTensor(section_key(key, s), piece, dtype, region, _global_shape(module, pname, s),
