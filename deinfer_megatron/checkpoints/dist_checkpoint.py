@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -75,13 +76,16 @@ def _megatron_io() -> Iterator[None]:
     ``save`` returns; the project's ranks are daemonic (they die with the command), and a
     daemonic process may not start children, so the flag is lifted while Megatron runs. (The
     CUDA calls of the writer have CPU stand-ins: ``patches.megatron_cpu`` covers save/load.)
+    Megatron's reader calls a name DCP deprecates; that one warning is silenced.
     """
     process = multiprocessing.current_process()
     daemon = process.daemon
     if daemon:
         process.daemon = False
     try:
-        yield
+        with warnings.catch_warnings():  # Megatron-Core 0.16.1 still calls DCP's deprecated name
+            warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated", category=FutureWarning)
+            yield
     finally:
         if daemon:
             process.daemon = True

@@ -6,10 +6,11 @@ KV heads (so that TP=3 splits it), Qwen2 (QKV bias, tied embeddings, 2 KV heads:
 TP=4, so all its attention is decomposed) and OPT (biases everywhere, learned positions). Each
 is saved by ``dist_checkpointing.save`` at TP=2 under ``deinfer`` and at PP=2 under ``naive``,
 and loaded under ``deinfer``, ``naive`` and ``dense`` (factors multiplied out) at TP 2 (both
-saves, in the launch that saved), TP 3 (LLaMA, both), TP 4 (Qwen2 and OPT, the TP=2 save) and TP2×PP2 (Qwen2 — a
-tied head on its own stage — and OPT, the PP=2 save). The reference is a single-process Hugging Face
-model whose decomposed matrices are multiplied out; a load at the saving size and layout gives
-bit-identical logits. Read back in one process, the saved global tensors are exactly the
+saves, in the launch that saved), TP 3 (LLaMA, both), TP 4 (Qwen2 and OPT, the PP=2 save) and
+TP2×PP2 (Qwen2, the TP=2 save: PP 1 → 2, its tied head on a stage of its own, read from the
+embedding). TP=1 loads are in tests/cli/test_convert_cli.py and the examples' test.
+The reference is a single-process Hugging Face model whose decomposed matrices are multiplied
+out; a load at the saving size and layout gives bit-identical logits. Read back in one process, the saved global tensors are exactly the
 factors that were loaded — the same for both saves, so they depend on neither TP nor layout.
 """
 
@@ -31,10 +32,10 @@ SAVES = {"tp2": (2, 1, "deinfer"), "pp2": (1, 2, "naive")}  # name → (tp, pp, 
 # world size → the (tp, pp) sizes one launch loads at
 LOADS = {3: [(3, 1)], 4: [(4, 1), (2, 2)]}  # TP=1 loads: tests/cli/test_convert_cli.py, the examples
 SPLITS = {(1, 1): ("llama", "qwen2", "opt"), (2, 1): ("llama", "qwen2", "opt"), (1, 2): ("llama", "qwen2", "opt"),
-          (3, 1): ("llama",), (4, 1): ("qwen2", "opt"), (2, 2): ("qwen2", "opt")}
+          (3, 1): ("llama",), (4, 1): ("qwen2", "opt"), (2, 2): ("qwen2",)}
 # which saves each size loads (all layouts each): TP 2 → 1, 2, 3, 4 and PP 2 → 1, 2, TP2×PP2
-LOAD_FROM = {(1, 1): ("tp2", "pp2"), (2, 1): ("tp2", "pp2"), (3, 1): ("tp2", "pp2"), (4, 1): ("tp2",),
-             (2, 2): ("pp2",)}
+LOAD_FROM = {(1, 1): ("tp2", "pp2"), (2, 1): ("tp2", "pp2"), (3, 1): ("tp2", "pp2"), (4, 1): ("pp2",),
+             (2, 2): ("tp2",)}
 
 
 def tiny(family: str) -> tuple[Any, dict[str, int], dict[str, torch.Tensor]]:

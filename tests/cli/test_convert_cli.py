@@ -62,11 +62,17 @@ def test_decomposed_round_trip_is_lossless(folders) -> None:
         assert (back / name).read_bytes() == (folders["dec"] / name).read_bytes(), name
 
 
-def test_dense_round_trip_is_lossless(folders) -> None:
+def test_dense_round_trip_is_lossless(folders, capsys) -> None:
     root = folders["root"]
     assert run(["convert", "--model", str(folders["dense"]), "--to", "megatron", "--out", str(root / "dense-ckpt")]) == 0
     assert run(["convert", "--model", str(root / "dense-ckpt"), "--to", "hf", "--out", str(root / "dense-back")]) == 0
     _assert_same_bytes(_tensors(root / "dense-back"), _tensors(folders["dense"]))
+    tokens = []
+    for model in (root / "dense-ckpt", folders["dense"]):  # Megatron's loader on a dense checkpoint
+        capsys.readouterr()
+        assert run(["generate", "--model", str(model), "--prompt", PROMPT, "--max-new-tokens", "4", "--json"]) == 0
+        tokens.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["outputs"][0]["token_ids"])
+    assert tokens[0] == tokens[1]
 
 
 def test_the_checkpoint_is_served_and_planned_as_it_is(folders, capsys) -> None:
@@ -81,6 +87,12 @@ def test_the_checkpoint_is_served_and_planned_as_it_is(folders, capsys) -> None:
                 "--layout", "naive", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert doc["outputs"][0]["token_ids"] == want[0, ids.shape[1]:].tolist()
+    tokens = {}
+    for model in ("ckpt", "dec"):  # bfloat16 from the float32 checkpoint: cast as a folder's load casts
+        assert run(["generate", "--model", str(folders[model]), "--prompt", PROMPT, "--max-new-tokens", "5",
+                    "--dtype", "bfloat16", "--json"]) == 0
+        tokens[model] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["outputs"][0]["token_ids"]
+    assert tokens["ckpt"] == tokens["dec"]
     assert run(["plan", "--model", str(folders["ckpt"]), "--tp", "2", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert run(["plan", "--model", str(folders["dec"]), "--tp", "2", "--json"]) == 0
