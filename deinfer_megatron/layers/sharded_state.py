@@ -122,26 +122,29 @@ def _factory(module: Any, pname: str, param: nn.Parameter, key: str, replica_id:
     if not held:  # all padding: load (not save) a row of section 0, so the factory is not empty
         shape = _global_shape(module, pname, 0)
         held = [(0, (tuple(0 for _ in shape), (1, *shape[1:]), None))]
-    dtype, local_shape = param.dtype, tuple(param.shape)
+    local_shape = tuple(param.shape)
 
+    # ``data`` is the parameter, or an optimizer state of its shape (Megatron builds those with
+    # the same factory): pieces take its dtype and device.
     def build(key: str, data: torch.Tensor, replica: Any, flattened_range: Any) -> dict[int, Any]:
         out = {}
         for s, (offset, region, where) in held:
             if where is None:  # a non-main replica: loaded, never saved
-                piece, rep = torch.zeros(region, dtype=dtype, device=data.device), (replica[0], 1 + module.tp.rank, *replica[2:])
+                piece = torch.zeros(region, dtype=data.dtype, device=data.device)
+                rep = (replica[0], 1 + module.tp.rank, *replica[2:])
             else:
-                piece, rep = data.detach().reshape(-1)[where].reshape(region), replica
-            out[s] = ShardedTensor(section_key(key, s), piece, dtype, region, _global_shape(module, pname, s),
+                piece, rep = data.detach().reshape(-1)[where.to(data.device)].reshape(region), replica
+            out[s] = ShardedTensor(section_key(key, s), piece, data.dtype, region, _global_shape(module, pname, s),
                                    offset, None, rep)
         return out
 
     def merge(loaded: Mapping[int, torch.Tensor]) -> torch.Tensor:
         first = next(iter(loaded.values()))
-        result = torch.zeros(local_shape, dtype=dtype, device=first.device)
+        result = torch.zeros(local_shape, dtype=first.dtype, device=first.device)
         flat = result.view(-1)
         for s, (_, _, where) in held:
             if where is not None:
-                flat[where.to(first.device)] = loaded[s].reshape(-1).to(dtype)
+                flat[where.to(first.device)] = loaded[s].reshape(-1)
         return result
 
     return ShardedTensorFactory(key, param, build, merge, replica_id)

@@ -108,3 +108,16 @@ def test_stacked_layer_offsets_are_refused() -> None:
     with pytest.raises(ValueError, match="non_homogeneous_layers"):
         m.sharded_state_dict(sharded_offsets=((0, 0, 4),))
     assert "per-layer ranks" in STACKED_LAYERS_ERROR
+
+
+def test_an_optimizer_state_of_another_dtype_keeps_its_dtype() -> None:
+    """Megatron's optimizer checkpoint builds the same factory over a float32 state of a
+    bfloat16 parameter: the pieces and the merged tensor are the state's, not the parameter's."""
+    config = types.SimpleNamespace(params_dtype=torch.bfloat16, perform_initialization=False)
+    m = GatheredDown(8, (3, 4), config=config, tp_group=TPView(0, 2), prefix="layer")  # rows 0-3: no padding
+    factory = m.sharded_state_dict()["weight"]
+    state = torch.randn(m.weight.shape, generator=GEN)
+    factory.data = state
+    pieces = factory.build()
+    assert {p.dtype for p in pieces.values()} == {torch.float32}
+    assert torch.equal(factory.merge_fn({s: p.data for s, p in pieces.items()}), state)
