@@ -117,8 +117,15 @@ def load_model_state(stage: Any, folder: str | Path, source_ranks: RankConfig) -
         raise ValueError("the checkpoint's rank config differs from the one the model was built with")
     from megatron.core import dist_checkpointing
 
-    with _megatron_io():
-        loaded = dist_checkpointing.load({"model": sharded_model_state(stage)}, str(folder))
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    try:
+        with _megatron_io():
+            loaded = dist_checkpointing.load({"model": sharded_model_state(stage)}, str(folder))
+    except CheckpointingException as err:  # e.g. a tensor of another shape than the model's
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"{folder} does not load into this model ({message}); check that its "
+                         "config.json and rank_config.json are the ones it was saved with") from None
     with torch.no_grad():
         stage.model.load_state_dict(loaded["model"], strict=True)
     bad = next((n for n, p in stage.model.named_parameters() if not torch.isfinite(p).all()), None)
@@ -160,11 +167,14 @@ def finish_folder(root: Path, *, config: Mapping[str, Any], rank_config: RankCon
     (root / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
-def open_checkpoint(path: str | Path, *, verify: bool = True, weights: bool = True) -> tuple[ModelArch, RankConfig, dict, dict[str, torch.Tensor] | None]:
+def open_checkpoint(path: str | Path, *, verify: bool = True, weights: bool = True,
+                    read: bool | None = None) -> tuple[ModelArch, RankConfig, dict, dict[str, torch.Tensor] | None]:
     """``(arch, rank_config, manifest, Hugging Face tensors or None)`` of a checkpoint folder.
 
     With ``verify`` every file's SHA-256 is checked against the manifest first (config and rank
-    config only, without ``weights``), and every file under ``release/`` must be listed.
+    config only, without ``weights``), and every file under ``release/`` must be listed. The
+    tensors are read (whole) when ``read`` (default: ``weights``); ranks that load their slices
+    through Megatron pass ``read=False``.
     Raises:
         ValueError: a file missing, unlisted or corrupted; tensors that contradict the configs.
     """
@@ -181,5 +191,5 @@ def open_checkpoint(path: str | Path, *, verify: bool = True, weights: bool = Tr
             raise ValueError(f"{iteration_dir(root)} holds no checkpoint files; the checkpoint is incomplete")
         verify_manifest(root, manifest, [*configs, *stored], only=None if weights else configs)
     rank_config = RankConfig.load(rank_file, arch) if rank_file.is_file() else RankConfig.dense(arch)
-    tensors = read_hf_tensors(iteration_dir(root), arch, rank_config) if weights else None
+    tensors = read_hf_tensors(iteration_dir(root), arch, rank_config) if (weights if read is None else read) else None
     return arch, rank_config, manifest, tensors

@@ -132,7 +132,7 @@ def load_folder(path: str | Path, layout: Layout | str, groups: ParallelGroups, 
     from deinfer_megatron.checkpoints.folder import open_model
 
     if is_dist_checkpoint(path):  # Megatron's dist_checkpointing reads this rank's slices only
-        arch, ranks, _, _ = open_checkpoint(path, verify=verify, weights=False)
+        arch, ranks, _, _ = open_checkpoint(path, verify=verify, read=False)
         stage = build_stage(arch, ranks, layout, groups, dtype=dtype)
         load_model_state(stage, iteration_dir(path), ranks)
         return stage
