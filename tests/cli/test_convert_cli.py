@@ -75,6 +75,11 @@ def test_dense_round_trip_is_lossless(folders, capsys) -> None:
         assert run(["generate", "--model", str(model), "--prompt", PROMPT, "--max-new-tokens", "4", "--json"]) == 0
         tokens.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["outputs"][0]["token_ids"])
     assert tokens[0] == tokens[1]
+    for model, out in ((root / "dense-ckpt", "dec-from-ckpt"), (folders["dense"], "dec-from-folder")):
+        # decompose reads the checkpoint (and its tokenizer, copied beside it) as the folder
+        assert run(["decompose", "--model", str(model), "--method", "svd", "--ratio", "0.9", "--layers", "0",
+                    "--out", str(root / out)]) == 0
+    _assert_same_bytes(_tensors(root / "dec-from-ckpt"), _tensors(root / "dec-from-folder"))
 
 
 def test_the_checkpoint_is_served_and_planned_as_it_is(folders, capsys) -> None:
