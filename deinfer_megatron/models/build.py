@@ -83,6 +83,9 @@ def build_stage(
     check_parallel_sizes(arch, groups.tp_size, groups.pp_size)
     built_ranks = RankConfig.dense(arch) if layout.multiplies_out else rank_config
     config = transformer_config(arch, tp=groups.tp_size, pp=groups.pp_size, dtype=dtype)
+    # Per-layer dist-checkpoint keys: decomposed layers have per-layer ranks, which cannot share
+    # a tensor stacked over layers (layers.sharded_state); model.sharded_state_dict() then works as is.
+    config.hetereogenous_dist_checkpoint = bool(built_ranks.modules)
     spec = decomposed_block_spec(config, built_ranks, layout, pp_rank=groups.pp_rank)
     vocab = padded_vocab_size(arch.vocab_size, groups.tp_size)
     with torch.device("meta"):

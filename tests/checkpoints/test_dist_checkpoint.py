@@ -66,7 +66,7 @@ def worker(plan: list[tuple[int, int, bool]], root: str) -> dict[str, Any]:
     """At each ``(tp, pp, save)`` of ``plan``, save or load every family it can split; the
     logits of the last stage, by family/checkpoint/layout/size."""
     from deinfer_megatron.arch.model import arch_from_hf_config
-    from deinfer_megatron.checkpoints.dist_checkpoint import load_model_state, save_model_state
+    from deinfer_megatron.checkpoints.dist_checkpoint import METADATA, load_model_state, save_model_state
     from deinfer_megatron.models.build import build_stage, load_weights
     from deinfer_megatron.models.pipeline import stage_forward
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
@@ -87,6 +87,9 @@ def worker(plan: list[tuple[int, int, bool]], root: str) -> dict[str, Any]:
                     stage = build_stage(arch, rank_config, layout, groups)
                     if save:
                         load_weights(stage, state, rank_config)
+                        # a stage this project builds asks for per-layer keys itself
+                        plain = {v.key for v in stage.model.sharded_state_dict().values()}
+                        assert plain == {v.key for v in stage.model.sharded_state_dict(metadata=METADATA).values()}
                         if groups.global_rank == 0:
                             folder.mkdir()
                         torch.distributed.barrier()
