@@ -1,5 +1,5 @@
-"""examples/megatron_api.py, run as a user runs it, against Hugging Face with the factors
-multiplied out.
+"""examples/megatron_api.py and examples/load_at_other_tp.py, run as a user runs them, against
+Hugging Face with the factors multiplied out.
 
 The example builds Megatron's ``GPTModel`` from our block spec and loads it itself; the
 reference is transformers' own model of the same architecture whose decomposed matrices are
