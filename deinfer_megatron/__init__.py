@@ -18,7 +18,7 @@ PACKAGE_ORDER: tuple[frozenset[str], ...] = (
     frozenset({"models"}),  # building and loading a pipeline stage; its forward across stages
     frozenset({"planning"}),  # the cost of a layout, computed without running it
     frozenset({"training"}),  # a training step of built stages: schedules, optimizer, clipping
-    frozenset({"evaluation", "generation", "decompose"}),  # the jobs
+    frozenset({"evaluation", "generation", "decompose", "conversion"}),  # the jobs
     frozenset({"serving"}),  # the OpenAI-compatible server: continuous batching over the ranks
     frozenset({"bench"}),  # timing the jobs
     frozenset({"cli"}),  # argument parsing into config dataclasses

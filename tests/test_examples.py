@@ -1,5 +1,5 @@
-"""examples/megatron_api.py, run as a user runs it, against Hugging Face with the factors
-multiplied out.
+"""examples/megatron_api.py and examples/load_at_other_tp.py, run as a user runs them, against
+Hugging Face with the factors multiplied out.
 
 The example builds Megatron's ``GPTModel`` from our block spec and loads it itself; the
 reference is transformers' own model of the same architecture whose decomposed matrices are
@@ -133,3 +133,35 @@ def test_train_example_lowers_the_loss_from_an_untrained_start(tmp_path: Path) -
     assert deinfer[-1] < deinfer[0] - 0.3, deinfer
     naive = run_train_example(tmp_path, "--steps", "12", "--layout", "naive")
     assert naive == pytest.approx(deinfer, rel=1e-4)
+
+
+def test_load_at_other_tp_generates_the_multiplied_out_tokens(tmp_path: Path) -> None:
+    """examples/load_at_other_tp.py saves at TP=2 under deinfer and loads at TP=1 under naive:
+    the prompt's logits and the greedy tokens are Hugging Face's with the factors multiplied out."""
+    example_file = REPO_ROOT / "examples" / "load_at_other_tp.py"
+    spec = importlib.util.spec_from_file_location("load_at_other_tp", example_file)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)  # defines functions only
+    from deinfer_megatron.models.synthetic import synthetic_config
+
+    out = tmp_path / "logits.pt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(example_file), "--save-tp", "2", "--load-tp", "1", "--layout", "naive",
+                           "--save-logits", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, f"the example failed:\n{proc.stdout}\n{proc.stderr}"
+    assert "saved at TP=2" in proc.stdout and "TP=1, layout naive: greedy tokens" in proc.stdout, proc.stdout
+    got = torch.load(out)
+
+    _, _, state = example.synthetic_model()
+    cfg = synthetic_config(example.SYNTHETIC)
+    cfg.pop("model_type")
+    config = transformers.LlamaConfig(**cfg)
+    config._attn_implementation = "eager"
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.load_state_dict(multiplied_out(state), strict=True)
+    assert_matches(got, hf)
+    with torch.no_grad():
+        want = hf.generate(got["input_ids"], max_new_tokens=got["tokens"].shape[1], do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    assert torch.equal(got["tokens"], want[:, got["input_ids"].shape[1]:])

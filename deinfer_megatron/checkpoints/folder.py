@@ -107,7 +107,9 @@ def is_project_folder(path: Path) -> bool:
         ours = json.loads((path / MANIFEST).read_text()).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         ours = False
-    return ours or converted_by_us(path)
+    from deinfer_megatron.checkpoints.dist_checkpoint import is_dist_checkpoint
+
+    return ours or converted_by_us(path) or is_dist_checkpoint(path)
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -188,12 +190,20 @@ def _open_checked(path: Path, verify: bool, *, weights: bool) -> tuple[ModelArch
 
 
 def open_model(path: str | Path, *, verify: bool = True) -> ModelFolder:
-    """Open a dense Hugging Face folder or a decomposed folder, checked as the module says.
+    """Open a dense Hugging Face folder or a decomposed folder, checked as the module says —
+    or a Megatron checkpoint written by ``convert --to megatron`` (its manifest checked the
+    same way; its tensors read whole, under Hugging Face names: ``checkpoints.dist_checkpoint``).
 
     ``verify=False`` skips the manifest (a decomposed folder made elsewhere); shapes are
     always checked.
     """
     path = Path(path)
+    from deinfer_megatron.checkpoints.dist_checkpoint import is_dist_checkpoint, open_checkpoint
+
+    if is_dist_checkpoint(path):  # a Megatron checkpoint of `convert --to megatron`
+        arch, rank_config, manifest, tensors = open_checkpoint(path, verify=verify)
+        _check_tensors(tensors, arch, rank_config, path)
+        return ModelFolder(path, arch, rank_config, tensors, manifest)
     arch, rank_config, manifest, files = _open_checked(path, verify, weights=True)
     source = SafetensorsSource(files)
     _check_tensors(source, arch, rank_config, path)
@@ -202,7 +212,12 @@ def open_model(path: str | Path, *, verify: bool = True) -> ModelFolder:
 
 def open_config(path: str | Path, *, verify: bool = True) -> tuple[ModelArch, RankConfig]:
     """A folder's architecture and rank config (verified like ``open_model``, weights unread):
-    what ``plan`` needs."""
+    what ``plan`` needs. Also of a Megatron checkpoint written by ``convert --to megatron``."""
+    from deinfer_megatron.checkpoints.dist_checkpoint import is_dist_checkpoint, open_checkpoint
+
+    if is_dist_checkpoint(path):
+        arch, rank_config, _, _ = open_checkpoint(path, verify=verify, weights=False)
+        return arch, rank_config
     arch, rank_config, _, _ = _open_checked(Path(path), verify, weights=False)
     return arch, rank_config
 

@@ -82,6 +82,14 @@ def _rank_files(folder: Path) -> dict[tuple[int, int], Path]:
     return out
 
 
+def tokenizer_folder(path: Path) -> Path | None:
+    """The folder holding a Megatron checkpoint's Hugging Face tokenizer: the root of one
+    written by ``convert --to megatron`` (which copies it there), else None."""
+    from deinfer_megatron.checkpoints.dist_checkpoint import is_dist_checkpoint
+
+    return Path(path) if is_dist_checkpoint(path) else None
+
+
 def detect_megatron_checkpoint(path: Path) -> str | None:
     """``"torch"``, ``"dist"`` or None: which Megatron format ``path`` holds (root or iteration)."""
     path = Path(path)
@@ -112,6 +120,13 @@ def read_megatron_checkpoint(path: Path, *, vocab_size: int | None = None) -> tu
         ValueError: an architecture or layout this reader does not support.
     """
     path = Path(path)
+    from deinfer_megatron.checkpoints.dist_checkpoint import is_dist_checkpoint, open_checkpoint
+
+    if is_dist_checkpoint(path):  # written by `convert --to megatron`: verified, configs beside it
+        arch, rank_config, _, tensors = open_checkpoint(path)
+        if rank_config.modules:
+            raise ValueError(f"{path} is a decomposed model; pass the dense model it came from")
+        return json.loads((path / "config.json").read_text()), tensors  # its vocabulary is config.json's
     kind = detect_megatron_checkpoint(path)
     folder = _iteration_dir(path) if path.is_dir() else path
     if kind is None:

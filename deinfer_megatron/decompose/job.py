@@ -63,12 +63,17 @@ def _load_dense(job: DecomposeJob) -> tuple[Any, dict[str, Any], Path | None]:
     """(Hugging Face model in float32, its config dict, the folder holding its tokenizer)."""
     import transformers
 
-    from deinfer_megatron.checkpoints.megatron_ckpt import detect_megatron_checkpoint, read_megatron_checkpoint
+    from deinfer_megatron.checkpoints.megatron_ckpt import (
+        detect_megatron_checkpoint,
+        read_megatron_checkpoint,
+        tokenizer_folder,
+    )
 
     if detect_megatron_checkpoint(job.model) is not None:
-        if job.tokenizer is None:
+        tokenizer_dir = job.tokenizer or tokenizer_folder(job.model)
+        if tokenizer_dir is None:
             raise ValueError("a Megatron checkpoint has no Hugging Face tokenizer: pass --tokenizer DIR")
-        tokenizer = transformers.AutoTokenizer.from_pretrained(job.tokenizer)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
         config, state = read_megatron_checkpoint(job.model, vocab_size=len(tokenizer))
         hf_config = transformers.AutoConfig.for_model(**config)
         model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
@@ -76,7 +81,7 @@ def _load_dense(job: DecomposeJob) -> tuple[Any, dict[str, Any], Path | None]:
         if config.get("tie_word_embeddings"):
             model.tie_weights()
         _check_finite(model, job.model)
-        return model.float().eval(), config, job.tokenizer
+        return model.float().eval(), config, tokenizer_dir
     config_path = job.model / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(

@@ -32,6 +32,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from deinfer_megatron.arch.ranks import AttentionRanks
 from deinfer_megatron.layers.costs import Cost
 from deinfer_megatron.layers.kv_cache import CacheKind, FullKVCache, LatentKVCache, cache_mode
+from deinfer_megatron.layers.sharded_state import children_sharded_state_dict
 from deinfer_megatron.layers.slot_cache import SlotContext, slot_attention
 from deinfer_megatron.parallel.topology import Span, TPView
 
@@ -180,6 +181,12 @@ class FactoredSelfAttention(MegatronModule):
             total += slot[name].cost(**args[name], tp=tp)
         total += slot["linear_proj"].cost(**args["linear_proj"], tp=tp, input_span=rows("linear_q_up"))
         return total + Cost(kv_heads=rows("linear_k_up").size // config.kv_channels)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict[str, Any]:
+        """Megatron dist-checkpointing: every factor's own (``layers.sharded_state``); no
+        fallback to Megatron's default, which would take each rank's shard for the whole."""
+        return children_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def _project(self, up: torch.nn.Module, latent: torch.Tensor, heads: int) -> torch.Tensor:
         out, bias = up((latent,))

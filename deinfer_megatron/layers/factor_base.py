@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from deinfer_megatron.layers.sharded_state import factor_sharded_state_dict
 from deinfer_megatron.parallel.topology import TPView
 
 InitMethod = Callable[[torch.Tensor], Any]
@@ -87,6 +88,12 @@ class Factor(nn.Module):
 
     def _source_shape(self, shard_id: int) -> tuple[int, int]:
         raise NotImplementedError
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict[str, Any]:
+        """Megatron dist-checkpointing: one global tensor per section, in checkpoint
+        orientation, whatever the layout and TP size (``layers.sharded_state``)."""
+        return factor_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def _initialise(self, config: Any, init_method: InitMethod | None) -> None:
         """Fill the local shard from full factors drawn with ``init_method`` (TP-invariant).

@@ -34,6 +34,7 @@ from deinfer_megatron.layers.factors import (
     ShardedDown,
     ShardedUp,
 )
+from deinfer_megatron.layers.sharded_state import children_sharded_state_dict
 from deinfer_megatron.parallel.topology import Span, TPView
 
 
@@ -138,6 +139,11 @@ class FactoredLinear(nn.Module):
         if self.skip_bias_add or bias is None:
             return out, bias if self.skip_bias_add else None
         return out + bias, None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict[str, Any]:
+        """Megatron dist-checkpointing: the factors' own (``layers.sharded_state``)."""
+        return children_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def backward_dw(self) -> None:
         """Megatron calls this after a delayed weight-gradient pass; inference has none."""

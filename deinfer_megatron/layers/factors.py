@@ -325,6 +325,7 @@ class _Up(Factor):
     ) -> None:
         super().__init__(tp_group, layer_number, prefix)
         self.output_size = output_size
+        self.unit_size = unit_size
         self.section_ranks = section_ranks_of(section_ranks)
         self.output_span = self.output_rows(output_size, unit_size, self.tp)
         self.column_spans = tuple(self._columns(r, self.tp) for r in self.section_ranks)

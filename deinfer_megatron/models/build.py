@@ -118,6 +118,9 @@ def build_stage(
     check_parallel_sizes(arch, groups.tp_size, groups.pp_size)
     built_ranks = RankConfig.dense(arch) if layout.multiplies_out else rank_config
     config = transformer_config(arch, tp=groups.tp_size, pp=groups.pp_size, dtype=dtype)
+    # Per-layer dist-checkpoint keys: decomposed layers have per-layer ranks, which cannot share
+    # a tensor stacked over layers (layers.sharded_state); model.sharded_state_dict() then works as is.
+    config.hetereogenous_dist_checkpoint = bool(built_ranks.modules)
     spec = decomposed_block_spec(config, built_ranks, layout, pp_rank=groups.pp_rank)
     vocab = padded_vocab_size(arch.vocab_size, groups.tp_size)
     with torch.device("meta"):
@@ -153,13 +156,25 @@ def build_stage(
 
 def load_folder(path: str | Path, layout: Layout | str, groups: ParallelGroups, *,
                 dtype: torch.dtype = torch.float32, verify: bool = True) -> Stage:
-    """Open a model folder (dense or decomposed) and load this rank's stage.
+    """Open a model folder (dense or decomposed), or a Megatron checkpoint written by
+    ``convert --to megatron``, and load this rank's stage.
 
     ``verify=False`` when the command verified the manifest already, before the ranks started;
     shapes and non-finite values are checked either way.
     """
+    from deinfer_megatron.checkpoints.dist_checkpoint import (
+        is_dist_checkpoint,
+        iteration_dir,
+        load_model_state,
+        open_checkpoint,
+    )
     from deinfer_megatron.checkpoints.folder import open_model
 
+    if is_dist_checkpoint(path):  # Megatron's dist_checkpointing reads this rank's slices only
+        arch, ranks, _, _ = open_checkpoint(path, verify=verify, read=False)
+        stage = build_stage(arch, ranks, layout, groups, dtype=dtype)
+        load_model_state(stage, iteration_dir(path), ranks)
+        return stage
     folder = open_model(path, verify=verify)
     stage = build_stage(folder.arch, folder.rank_config, layout, groups, dtype=dtype)
     load_weights(stage, folder.source, folder.rank_config)

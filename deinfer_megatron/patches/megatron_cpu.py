@@ -66,6 +66,10 @@ COVERED: tuple[tuple[str, str], ...] = (
     # pipelined one's send/recv buffers go on torch.cuda.current_device(), then it syncs
     ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining"),
     ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_without_interleaving"),
+    # dist checkpoints: the torch_dist writer's torch.cuda.current_device() for its failure
+    # flag and torch.cuda.synchronize() before writing; the loader's synchronize
+    ("megatron.core.dist_checkpointing.serialization", "save"),
+    ("megatron.core.dist_checkpointing.serialization", "load"),
 )
 
 _APPLIED = False

@@ -15,7 +15,6 @@ stages) are written by splitting a TP=1 checkpoint as Megatron would.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import multiprocessing
@@ -31,7 +30,6 @@ import pytest
 import torch
 
 from deinfer_megatron.checkpoints.megatron_ckpt import detect_megatron_checkpoint, read_megatron_checkpoint
-from deinfer_megatron.patches.megatron_cpu import cpu_stand_ins
 from tests.helpers.distributed import run_ranks
 from tests.helpers.tiny_models import TINY_CONFIGS, random_hf_model
 
@@ -118,11 +116,8 @@ def _save_dist(folder: Path, args: Namespace, sharded: dict, te: bool, first: bo
         for value in sharded.values():
             if isinstance(value, ShardedTensor):
                 value.key = _to_te_name(value.key)
-    # Megatron's writer syncs and allocates on CUDA; the project never writes this format, so
-    # its CPU shims do not cover the writer, and on a CPU-only machine the test lends it them.
-    lend = contextlib.nullcontext() if torch.cuda.is_available() else cpu_stand_ins()
-    with lend:
-        dist_checkpointing.save({**_common(args), "model": sharded}, str(folder))
+    # Megatron's writer syncs and allocates on CUDA: patches.megatron_cpu covers it on a CPU machine.
+    dist_checkpointing.save({**_common(args), "model": sharded}, str(folder))
 
 
 def write_checkpoints(layouts: list[tuple[int, int]], root: str) -> dict[str, bool]:

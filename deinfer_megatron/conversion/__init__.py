@@ -1,0 +1,1 @@
+"""``convert``: a model folder ↔ a Megatron ``torch_dist`` checkpoint, losslessly."""
