@@ -5,6 +5,13 @@ learning-rate scheduler — and the loss going down.
     python examples/train_megatron.py                                   # one rank, 30 steps
     torchrun --nproc-per-node 2 examples/train_megatron.py --tp 2       # the same at TP 2
     python examples/train_megatron.py --steps 10 --layout naive --json log.json
+    python examples/train_megatron.py --save CKPT      # then Megatron's dist checkpoint of it
+
+With ``--save DIR`` the trained model is written with Megatron's ``dist_checkpointing.save`` of
+``model.sharded_state_dict()`` (DIR must not exist; every factor section is saved as one global
+tensor, so the checkpoint loads at any TP size and layout), read back into a model built under
+the *other* factored layout (deinfer ↔ naive), and that model's logits are compared with the
+trained one's: the line ``reloaded under <layout>: max |logit difference| <x>`` is the check.
 
 The model is the synthetic llama-tiny (4 layers; layers 0-2 decomposed with variadic ranks,
 layer 3 dense). ``perform_initialization=True`` draws every factor with the slot's
@@ -131,10 +138,37 @@ def train(args: argparse.Namespace) -> list[float]:
             if dist.get_rank() == 0 and (step % 5 == 0 or step == args.steps - 1):
                 print(f"step {step + 1:>3}  loss {losses[-1]:.4f}  grad norm {norm:.3f}  "
                       f"lr {optimizer.param_groups[0]['lr']:.2e}", flush=True)
+        if args.save is not None:
+            save_and_reload(model, args, pgs)
         return losses
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+METADATA = {"non_homogeneous_layers": True}  # per-layer keys: every layer has its own ranks
+
+
+def save_and_reload(model: Any, args: argparse.Namespace, pgs: Any) -> None:
+    """Megatron's dist checkpoint of the trained model, loaded under the other factored layout."""
+    from megatron.core import dist_checkpointing
+
+    if dist.get_rank() == 0:
+        args.save.mkdir(parents=True)  # Megatron writes into an existing, empty folder
+    dist.barrier()
+    dist_checkpointing.save({"model": model.sharded_state_dict(metadata=METADATA)}, str(args.save))
+    other = build_model(args.tp, "naive" if args.layout == "deinfer" else "deinfer", pgs, args.seed + 1)
+    loaded = dist_checkpointing.load({"model": other.sharded_state_dict(metadata=METADATA)}, str(args.save))
+    other.load_state_dict(loaded["model"], strict=True)
+    ids = toy_batch(10_000, model.vocab_size)["input_ids"]
+    positions = torch.arange(SEQ).expand(BATCH, -1)
+    with torch.inference_mode():
+        want = model.eval()(ids, positions, None, runtime_gather_output=True)
+        got = other.eval()(ids, positions, None, runtime_gather_output=True)
+    if dist.get_rank() == 0:
+        layout = "naive" if args.layout == "deinfer" else "deinfer"
+        print(f"saved a dist checkpoint to {args.save}")
+        print(f"reloaded under {layout}: max |logit difference| {(got - want).abs().max().item():.3g}")
 
 
 def main(argv: list[str] | None = None) -> list[float]:
@@ -145,10 +179,16 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write {'losses': [...]} here (rank 0)")
+    parser.add_argument("--save", type=Path, help="save a Megatron dist checkpoint here (must not exist)")
     args = parser.parse_args(argv)
     if args.steps < 4:
         parser.error("--steps must be at least 4 (3 warm-up steps, then the cosine)")
+    if args.save is not None and args.save.exists():
+        parser.error(f"--save {args.save} exists; choose a new folder (nothing is overwritten)")
+    if args.save is not None and args.layout == "dense":
+        parser.error("--save compares the reload under the other factored layout; train with deinfer or naive")
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron(\.|$)")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\.core\.dist_checkpointing")
     losses = train(args)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")

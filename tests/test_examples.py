@@ -107,7 +107,7 @@ def test_decomposed_folder_matches_multiplied_out(family: str, layout: str, tmp_
 TRAIN_EXAMPLE = REPO_ROOT / "examples" / "train_megatron.py"
 
 
-def run_train_example(tmp_path: Path, *args: str) -> list[float]:
+def run_train_example(tmp_path: Path, *args: str) -> tuple[list[float], str]:
     out = tmp_path / f"losses{len(list(tmp_path.iterdir()))}.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
@@ -118,7 +118,7 @@ def run_train_example(tmp_path: Path, *args: str) -> list[float]:
     assert "loss" in proc.stdout, proc.stdout
     import json
 
-    return json.loads(out.read_text())["losses"]
+    return json.loads(out.read_text())["losses"], proc.stdout
 
 
 def test_train_example_lowers_the_loss_from_an_untrained_start(tmp_path: Path) -> None:
@@ -127,11 +127,15 @@ def test_train_example_lowers_the_loss_from_an_untrained_start(tmp_path: Path) -
     same draws, follows the same losses."""
     import math
 
-    deinfer = run_train_example(tmp_path, "--steps", "12")
+    deinfer, stdout = run_train_example(tmp_path, "--steps", "12", "--save", str(tmp_path / "ckpt"))
     assert len(deinfer) == 12
+    # the trained model's dist checkpoint, loaded under the naive layout, gives its logits
+    diff = [line for line in stdout.splitlines() if line.startswith("reloaded under naive:")]
+    assert diff and float(diff[0].rsplit(" ", 1)[1]) < 1e-4, stdout
+    assert (tmp_path / "ckpt" / "metadata.json").is_file()
     assert deinfer[0] == pytest.approx(math.log(256), rel=0.02)
     assert deinfer[-1] < deinfer[0] - 0.3, deinfer
-    naive = run_train_example(tmp_path, "--steps", "12", "--layout", "naive")
+    naive, _ = run_train_example(tmp_path, "--steps", "12", "--layout", "naive")
     assert naive == pytest.approx(deinfer, rel=1e-4)
 
 
