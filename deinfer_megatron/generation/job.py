@@ -172,7 +172,7 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
 
     par, cache = job.parallel, job.cache
     tokenizer = _tokenizer(job.model)
-    groups = init_parallel(par.tp, par.pp)
+    groups = init_parallel(par.tp, par.pp, collectives=par.collectives)
     try:
         stage = load_folder(job.model, par.layout, groups, dtype=job.dtype.torch, verify=False)  # prepare() verified
         tokens = slot_length(

@@ -31,7 +31,7 @@ from deinfer_megatron.parallel import comm, shm
 log = logging.getLogger(__name__)
 
 
-class Collectives(enum.Enum):
+class Collectives(str, enum.Enum):
     AUTO = "auto"  # shared memory between the CPU ranks of a node, the process group beyond
     PROCESS_GROUP = "process-group"  # torch.distributed (gloo / NCCL) for everything
 
