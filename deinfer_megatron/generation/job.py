@@ -217,6 +217,7 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
         "driver": driver,
         "engine": job.engine.value,
         "layout": par.layout.value, "kv_cache": cache.kind.value, "tp": par.tp, "pp": par.pp,
+        "collectives": groups.transport.kind,  # what carried rank 0's TP collectives
     }
 
 

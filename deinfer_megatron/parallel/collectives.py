@@ -102,17 +102,13 @@ class Hierarchical:
 
 @dataclass
 class Installed:
-    """What ``install`` set up, for ``uninstall``."""
+    """What ``install`` set up, for ``uninstall``; ``kind`` says what carries the group's
+    collectives: "shared-memory", "hierarchical" (shared memory, then across nodes) or
+    "process-group"."""
 
     group: dist.ProcessGroup | None = None
     segment: shm.ShmCollectives | None = None
-
-    @property
-    def kind(self) -> str:
-        """"shared-memory", "hierarchical" or "process-group": what carries the group's collectives."""
-        if self.group is None:
-            return "process-group"
-        return "shared-memory" if isinstance(comm._TRANSPORTS.get(self.group), shm.ShmCollectives) else "hierarchical"
+    kind: str = "process-group"
 
 
 def install(tp_group: dist.ProcessGroup, mode: Collectives, *, timeout_s: float,
@@ -154,7 +150,7 @@ def install(tp_group: dist.ProcessGroup, mode: Collectives, *, timeout_s: float,
             segment.unlink()  # every member has mapped it: nothing is left in /dev/shm
         dist.barrier(group=tp_group)  # ... by the time any member goes on
         comm.use_transport(tp_group, segment if cross is None else Hierarchical(segment, cross))
-        installed = Installed(tp_group, segment)
+        installed = Installed(tp_group, segment, "shared-memory" if cross is None else "hierarchical")
         _LIVE.append(installed)
         log.info("tensor-parallel collectives: shared memory among %d local ranks%s", shape.local,
                  "" if cross is None else f", then over {shape.nodes} nodes")

@@ -9,7 +9,7 @@ loopback and veth end, so a job's traffic can go nowhere but to the other namesp
 
 Clean-up is unconditional: the context manager deletes both namespaces (which removes the veth
 pair) on any exit, and an ``atexit`` hook deletes whatever an interrupted run left; processes
-started with ``TwoNodes.popen`` are killed first. Root and the ``ip``/``tc`` tools are needed:
+started with ``TwoNodes.popen`` are stopped first (SIGTERM, then SIGKILL after 10 s). Root and the ``ip``/``tc`` tools are needed:
 ``unavailable()`` says why not, for ``pytest.skip``.
 """
 
@@ -132,9 +132,14 @@ def two_nodes(rate: str | None = None) -> Iterator[TwoNodes]:
             nodes.set_rate(rate)
         yield nodes
     finally:
-        for proc in nodes.procs:
+        for proc in reversed(nodes.procs):  # daemons get a moment to stop their own children
             if proc.poll() is None:
+                proc.terminate()
+        for proc in reversed(nodes.procs):
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
                 proc.kill()
-            proc.wait()
+                proc.wait()
         for name in ns:
             _delete(name)

@@ -1,6 +1,8 @@
 """Two "nodes" on one machine (``tests/helpers/netns.py``): a rate-limited veth pair between two
 network namespaces, and a TP=2 ``generate`` with one rank in each — the multi-node case, where
-the store and gloo listen on the first node's veth address instead of loopback.
+the store and gloo listen on the first node's veth address instead of loopback. Jobs of four
+ranks over the two namespaces (hierarchical TP, PP across nodes) run under Slurm
+(tests/launch/test_slurm_two_nodes.py).
 
 Skipped, with the reason, without root or the ``ip``/``tc`` tools.
 """
@@ -94,5 +96,6 @@ def test_tp2_across_two_namespaces_gives_the_hugging_face_tokens(tmp_path) -> No
         assert p.returncode == 0, err[-3000:]
     doc = json.loads(outs[0][0])
     assert outs[1][0].strip() == "", "only rank 0 reports"
-    assert doc["tp"] == 2 and doc["outputs"][0]["token_ids"] == expected
+    assert doc["tp"] == 2 and doc["collectives"] == "process-group"  # no local peer to share memory with
+    assert doc["outputs"][0]["token_ids"] == expected
     print(f"cross-namespace TP=2 generate: {time.monotonic() - started:.1f} s")
