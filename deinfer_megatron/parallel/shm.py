@@ -14,6 +14,9 @@ unlinked as soon as every member has mapped it, so a killed job leaves nothing b
   that pid (a recycled pid is not mistaken for the peer);
 - two buffers (alternating by call) of one slot per member, ``slot_bytes`` each.
 
+A segment left by a creator killed in the moment between creating and unlinking it is removed
+by the next job that creates one (``remove_stale``: the name carries the creator's pid).
+
 A collective with sequence number ``s`` uses buffer ``s % 2``: a member first waits until every
 peer has arrived at ``s - 1`` (then it has finished reading buffer ``s % 2`` from call
 ``s - 2``), copies its data into its slot, publishes ``s`` and waits for every peer's ``s``.
@@ -56,6 +59,21 @@ def supported() -> bool:
 def new_segment_name() -> str:
     """A name no other job uses (one per tensor-parallel group and job)."""
     return f"deinfer-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def remove_stale() -> list[Path]:
+    """Remove segments whose creator is gone (killed between creating and unlinking one);
+    only names this module makes (``deinfer-tp-<pid>-<id>``) are considered."""
+    removed = []
+    for path in SHM_DIR.glob("deinfer-tp-*-*"):
+        pid = path.name.split("-")[2]
+        if pid.isdigit() and _start_time(int(pid)) is None:
+            try:
+                path.unlink()
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 def _start_time(pid: int) -> int | None:
@@ -102,6 +120,10 @@ class ShmCollectives:
         fd = self._open(create, total)
         try:
             self._map = mmap.mmap(fd, total)
+        except BaseException:
+            if create:
+                self.unlink()
+            raise
         finally:
             os.close(fd)
         self._header = np.frombuffer(self._map, dtype=np.int64, count=header // 8).reshape(size, _LINE // 8)
@@ -115,14 +137,27 @@ class ShmCollectives:
         self._header[member, 2] = started if started is not None else -1
         self._header[member, 0] = 0  # joined; arrival counters start at 0
         self._header[member, 3] = 1  # joined flag, written last
-        self._peers = self._wait_for_members()
+        try:
+            self._peers = self._wait_for_members()
+        except BaseException:
+            if create:
+                self.unlink()  # a failed setup leaves nothing in /dev/shm
+            self.close()
+            raise
 
     # -------------------------------------------------------------- setup and teardown
 
     def _open(self, create: bool, total: int) -> int:
         if create:
+            remove_stale()
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, total)
+            try:
+                os.ftruncate(fd, total)
+            except OSError as err:
+                os.close(fd)
+                self.unlink()
+                raise RuntimeError(f"cannot make a {total >> 20} MiB shared-memory segment in {SHM_DIR} ({err}); "
+                                   "free space there or pass --collectives process-group") from None
             return fd
         deadline = time.monotonic() + self.join_timeout_s
         while True:

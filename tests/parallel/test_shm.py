@@ -199,6 +199,26 @@ def test_a_peer_that_never_arrives_times_out_with_its_name() -> None:
         proc.join()
 
 
+def test_a_segment_left_by_a_dead_creator_is_removed_and_a_failed_setup_leaves_none() -> None:
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = shm.SHM_DIR / f"deinfer-tp-{dead.pid}-0123456789ab"
+    stale.write_bytes(b"left by a killed job")
+    mine = shm.SHM_DIR / f"deinfer-tp-{os.getpid()}-live"  # a live creator's segment stays
+    mine.write_bytes(b"")
+    try:
+        name = shm.new_segment_name()
+        with pytest.raises(RuntimeError, match=r"member 1 did not join within 0.2 s"):
+            shm.ShmCollectives(name, 0, 2, create=True, timeout_s=0.2)
+        assert not stale.exists() and mine.exists()
+        assert not (shm.SHM_DIR / name).exists()
+    finally:
+        stale.unlink(missing_ok=True)
+        mine.unlink(missing_ok=True)
+
+
 # ------------------------------------------------------------------ choosing the transport
 
 
