@@ -255,6 +255,7 @@ class ShmCollectives:
         step = self.slot_bytes - self.slot_bytes % itemsize
         return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)] or [(0, 0)]
 
+    @torch.no_grad()  # like torch.distributed's collectives: data movement, not autograd ops
     def all_reduce(self, x: torch.Tensor) -> None:
         """Sum ``x`` (contiguous, CPU) over the members in place; every member gets the same bits."""
         if self.size == 1:
@@ -270,6 +271,7 @@ class ShmCollectives:
             for s in slots[2:]:
                 out.add_(s)
 
+    @torch.no_grad()
     def all_gather(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """``out`` (``[size * x.shape[0], ...]``, contiguous) gets every member's ``x`` in member order."""
         raw = x.contiguous().view(-1).view(torch.uint8)
