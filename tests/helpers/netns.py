@@ -1,6 +1,6 @@
 """Two "nodes" on one machine: Linux network namespaces joined by a veth pair, rate-limited.
 
-``two_nodes()`` creates namespaces ``<id>a`` and ``<id>b`` (unique per call), a veth pair
+``two_nodes()`` creates namespaces ``dm<pid>-<id>a`` and ``...b`` (unique per call), a veth pair
 between them with the private addresses ``10.<x>.<y>.1`` / ``.2`` on a /30 chosen to collide with
 nothing the host already routes, brings up each namespace's loopback and, with ``rate``, a
 ``tc qdisc ... tbf`` limit on both ends (netem is not available on these kernels, so there is no
@@ -8,9 +8,10 @@ added delay; tbf shapes bandwidth only). Processes run inside a namespace see on
 loopback and veth end, so a job's traffic can go nowhere but to the other namespace.
 
 Clean-up is unconditional: the context manager deletes both namespaces (which removes the veth
-pair) on any exit, and an ``atexit`` hook deletes whatever an interrupted run left; processes
-started with ``TwoNodes.popen`` are stopped first (SIGTERM, then SIGKILL after 10 s). Root and the ``ip``/``tc`` tools are needed:
-``unavailable()`` says why not, for ``pytest.skip``.
+pair) on any exit, an ``atexit`` hook deletes whatever an interrupted run left, and the next
+call removes the namespaces of a run killed outright (``remove_stale``: names carry the pid).
+Processes started with ``TwoNodes.popen`` are stopped first (SIGTERM, then SIGKILL after 10 s).
+Root and the ``ip``/``tc`` tools are needed: ``unavailable()`` says why not, for ``pytest.skip``.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ import atexit
 import contextlib
 import ipaddress
 import os
+import re
 import shutil
+import signal
 import subprocess
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator, Sequence
 
 RATES = {"unlimited": None, "10gbit": "10gbit", "1gbit": "1gbit"}
@@ -71,6 +75,26 @@ def _delete(name: str) -> None:
     _LIVE.discard(name)
 
 
+_NAME = re.compile(r"^dm(\d+)-[0-9a-f]{3}[ab]$")
+
+
+def remove_stale() -> list[str]:
+    """Delete namespaces this helper made in a process that is gone (killed before its clean-up
+    ran), after killing what still runs inside them; other namespaces are never touched."""
+    removed = []
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        m = _NAME.match(name)
+        if not m or Path(f"/proc/{m.group(1)}").exists():
+            continue
+        for pid in _ip("netns", "pids", name, check=False).stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        _delete(name)
+        removed.append(name)
+    return removed
+
+
 @atexit.register
 def _cleanup_all() -> None:
     for name in list(_LIVE):
@@ -113,7 +137,8 @@ class TwoNodes:
 @contextlib.contextmanager
 def two_nodes(rate: str | None = None) -> Iterator[TwoNodes]:
     """Two namespaces joined by a veth pair (optionally rate-limited), removed on any exit."""
-    tag = f"dm{os.getpid() % 100000}{uuid.uuid4().hex[:4]}"  # ≤ 15 characters for device names
+    remove_stale()
+    tag = f"dm{os.getpid()}-{uuid.uuid4().hex[:3]}"  # ≤ 14 characters with "v": device names allow 15
     ns = (f"{tag}a", f"{tag}b")
     dev = (f"{tag}v", f"{tag}v")  # one name on both ends: GLOO_SOCKET_IFNAME is the same everywhere
     net = _free_subnet()

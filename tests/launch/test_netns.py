@@ -57,6 +57,10 @@ def _throughput_gbit(nodes: netns.TwoNodes, mib: int) -> float:
 
 
 def test_the_veth_pair_is_rate_limited_and_removed_afterwards() -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = f"dm{gone.pid}-0a0a"  # as if made by a test process killed before its clean-up
+    subprocess.run(["ip", "netns", "add", stale], check=True)
     with netns.two_nodes("1gbit") as nodes:
         names = nodes.ns
         for node in (0, 1):
@@ -66,6 +70,7 @@ def test_the_veth_pair_is_rate_limited_and_removed_afterwards() -> None:
         assert "tbf" not in nodes.rate(0)
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert not any(n in listed for n in names), "the namespaces (and with them the veth pair) must be gone"
+    assert stale not in listed, "a killed run's namespaces are removed by the next run"
     assert 0.3 < limited < 1.1, f"1 Gbit/s limit measured {limited:.2f} Gbit/s"
 
 
