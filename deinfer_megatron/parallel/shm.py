@@ -21,15 +21,18 @@ A collective with sequence number ``s`` uses buffer ``s % 2``: a member first wa
 peer has arrived at ``s - 1`` (then it has finished reading buffer ``s % 2`` from call
 ``s - 2``), copies its data into its slot, publishes ``s`` and waits for every peer's ``s``.
 Then each member reads all slots in member order — all-reduce sums them in that order, so every
-member gets the same bits. Tensors larger than a slot go through in chunks. Waits spin, then
-yield, then sleep briefly; while waiting, a peer's pid is checked every few milliseconds, and a
-dead peer or one that does not arrive within ``timeout_s`` ends the wait with a one-line
-``RuntimeError`` naming it. Flags are plain stores on x86-64's ordered memory model (other
+member gets the same bits. Tensors larger than a slot go through in chunks. A wait spins for a
+few tens of microseconds, then blocks in the kernel on the peer's futex word (woken when the
+peer arrives: on a busy machine a sleeping waiter gets the core back as soon as there is
+something to do, as with a socket, and a spinning one would take it from the peer); every few
+milliseconds it looks at the peer's pid, and a dead peer or one that does not arrive within
+``timeout_s`` ends the wait with a one-line ``RuntimeError`` naming it. Flags are plain stores on x86-64's ordered memory model (other
 architectures would need fences; ``supported()`` says where the backend is offered).
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import platform
@@ -41,11 +44,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-_LINE = 64  # bytes per member in the header: counter, pid, pid start time (own cache line)
-_SPIN = 2000  # busy polls before yielding the core
-_YIELD = 200  # sched_yield polls before sleeping
-_SLEEP_S = 50e-6
-_CHECK_EVERY_S = 0.005  # how often a waiting member looks at its peers' pids
+_LINE = 64  # bytes per member in the header: counter, pid, pid start time, joined, futex word
+_WORD = 32  # byte offset of the 32-bit futex word in a member's line
+_SPIN = 300  # busy polls (tens of microseconds) before blocking in the kernel
+_CHECK_EVERY_S = 0.005  # how long one futex wait lasts: a waiting member then looks at the peer's pid
+_SYS_FUTEX = 202  # x86-64
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not FUTEX_PRIVATE): the word lives in a shared mapping
 DEFAULT_SLOT_BYTES = 4 << 20
 SHM_DIR = Path("/dev/shm")
 
@@ -85,6 +89,25 @@ def _start_time(pid: int) -> int | None:
     if fields[0] in ("Z", "X"):
         return None
     return int(fields[19])
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.syscall.restype = ctypes.c_long
+_CHECK_TIMEOUT = _Timespec(0, int(_CHECK_EVERY_S * 1e9))
+
+
+def _futex_wait(addr: int, expected: int) -> None:
+    """Sleep while the 32-bit word at ``addr`` equals ``expected`` (at most ``_CHECK_EVERY_S``)."""
+    _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_int(expected),
+                  ctypes.byref(_CHECK_TIMEOUT), None, 0)
+
+
+def _futex_wake(addr: int) -> None:
+    _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, ctypes.c_int(2**31 - 1), None, None, 0)
 
 
 @dataclass(frozen=True)
@@ -127,6 +150,9 @@ class ShmCollectives:
         finally:
             os.close(fd)
         self._header = np.frombuffer(self._map, dtype=np.int64, count=header // 8).reshape(size, _LINE // 8)
+        self._words = np.frombuffer(self._map, dtype=np.int32, count=header // 4).reshape(size, _LINE // 4)[:, _WORD // 4]
+        base = self._header.ctypes.data
+        self._word_addr = [base + m * _LINE + _WORD for m in range(size)]
         self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=header, count=2 * size * slot_bytes)
         self._slots = [[self._data[(b * size + m) * slot_bytes : (b * size + m + 1) * slot_bytes]
                         for m in range(size)] for b in range(2)]
@@ -194,7 +220,7 @@ class ShmCollectives:
 
     def close(self) -> None:
         """Unmap the segment (the tensors viewing it must not be used afterwards)."""
-        self._header = None  # type: ignore[assignment]
+        self._header = self._words = None  # type: ignore[assignment]
         self._data = self._slots = None  # type: ignore[assignment]
         try:
             self._map.close()
@@ -207,32 +233,33 @@ class ShmCollectives:
         return self._slots[buf][member]
 
     def _wait(self, seq: int, op: str) -> None:
-        """Until every peer's counter reaches ``seq``; a dead or absent peer raises."""
-        header = self._header
+        """Until every peer's counter reaches ``seq``; a dead or absent peer raises.
+
+        A short spin catches a peer that is about to arrive; then the wait blocks in the kernel on
+        the peer's futex word (woken by its ``_publish``), ``_CHECK_EVERY_S`` at a time, so that a
+        waiting rank neither burns its core on a busy machine nor sleeps past the peer's arrival.
+        """
+        header, words = self._header, self._words
         for peer in self._peers:
-            if header[peer.member, 0] >= seq:
-                continue
+            m = peer.member
             polls = 0
-            deadline = None
-            next_check = 0.0
-            while header[peer.member, 0] < seq:
+            while header[m, 0] < seq and polls < _SPIN:
                 polls += 1
-                if polls < _SPIN:
-                    continue
-                if polls < _SPIN + _YIELD:
-                    os.sched_yield()
-                    continue
-                time.sleep(_SLEEP_S)
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + self.timeout_s
-                if now >= next_check:
-                    next_check = now + _CHECK_EVERY_S
-                    self._check_alive(peer, op)
-                    if now > deadline:
-                        raise RuntimeError(
-                            f"shared-memory {op}: {self.names[peer.member]} (pid {peer.pid}) did not arrive "
-                            f"within {self.timeout_s:g} s; the job cannot continue")
+            if header[m, 0] >= seq:
+                continue
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                word = int(words[m])
+                if header[m, 0] >= seq:  # read after the word: a publish in between changes the word
+                    break
+                _futex_wait(self._word_addr[m], word)
+                if header[m, 0] >= seq:
+                    break
+                self._check_alive(peer, op)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"shared-memory {op}: {self.names[m]} (pid {peer.pid}) did not arrive "
+                        f"within {self.timeout_s:g} s; the job cannot continue")
 
     def _check_alive(self, peer: _Peer, op: str) -> None:
         if peer.started < 0:
@@ -241,13 +268,19 @@ class ShmCollectives:
             raise RuntimeError(f"shared-memory {op}: {self.names[peer.member]} (pid {peer.pid}) died during "
                                "the collective; the job cannot continue")
 
+    def _publish(self, seq: int) -> None:
+        """Arrive at ``seq``: the counter, then the futex word, then wake whoever waits on it."""
+        self._header[self.member, 0] = seq
+        self._words[self.member] = seq & 0x7FFFFFFF
+        _futex_wake(self._word_addr[self.member])
+
     def _round(self, chunk: torch.Tensor, op: str) -> int:
         """Publish ``chunk`` (bytes) in this member's slot of a new call; return its buffer."""
         self._seq += 1
         seq, buf = self._seq, self._seq % 2
         self._wait(seq - 1, op)
         self._slot(buf, self.member)[: chunk.numel()].copy_(chunk)
-        self._header[self.member, 0] = seq
+        self._publish(seq)
         self._wait(seq, op)
         return buf
 

@@ -10,7 +10,9 @@ is pinned to its own core, as the local runner does.
     sudo python -m tests.helpers.netns_bench --synthetic llama-tiny --rate 1gbit \\
         --layouts naive,deinfer --batch 8 --prompt-len 128 --gen-len 16 --repeats 3 [--json F]
 
-``--rate`` is unlimited, 10gbit or 1gbit (tc tbf; no added delay: netem is not available).
+``--rate`` is unlimited, 10gbit or 1gbit (tc tbf; no added delay: netem is not available), or
+``local``: no namespaces, the bench's own local runner, with ``--collectives`` choosing shared
+memory (``auto``, the default) or gloo (``process-group``) between the two local ranks.
 """
 
 from __future__ import annotations
@@ -83,6 +85,22 @@ def namespace_runner(nodes: netns.TwoNodes, scratch: Path, timeout_s: float = 18
     return run
 
 
+def local_runner(collectives: str) -> Any:
+    """The bench's local runner (two spawned ranks on this machine) with a chosen transport."""
+    from deinfer_megatron.bench.matrix import random_prompts
+    from deinfer_megatron.bench.measure import CellJob, cell_worker
+    from deinfer_megatron.launch.local import spawn_local
+
+    def run(cell: Any, source: Any, grid: Any) -> list[Any]:
+        job = CellJob(source.folder_for(cell.layout), cell.layout, cell.kv_cache, cell.tp, cell.batch,
+                      cell.prompt_len, grid.gen_len, grid.repeats,
+                      random_prompts(source.arch.vocab_size, cell.batch, cell.prompt_len, grid.seed),
+                      collectives=collectives)
+        return spawn_local(cell.tp, cell_worker, job, timeout=grid.cell_timeout_s)
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     from deinfer_megatron.bench import matrix, report
     from deinfer_megatron.bench.records import CellStatus
@@ -93,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.helpers.netns_bench", description=__doc__.split("\n")[0])
     p.add_argument("--synthetic", default="llama-tiny")
     p.add_argument("--ratio", type=float, default=0.6)
-    p.add_argument("--rate", choices=tuple(netns.RATES), default="1gbit")
+    p.add_argument("--rate", choices=(*netns.RATES, "local"), default="1gbit")
+    p.add_argument("--collectives", choices=("auto", "process-group"), default="auto", help="--rate local only")
     p.add_argument("--layouts", default="naive,deinfer")
     p.add_argument("--batch", default="8")
     p.add_argument("--prompt-len", default="128")
@@ -101,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
-    reason = netns.unavailable()
+    reason = netns.unavailable() if a.rate != "local" else None
     if reason:
         print(f"error: {reason}", file=sys.stderr)
         return 2
@@ -114,11 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="deinfer-netns-bench-") as work:
         scratch = Path(work)
         source = synthetic_source(a.synthetic, a.ratio, 0, scratch)
-        with netns.two_nodes(netns.RATES[a.rate]) as nodes:
-            records = matrix.run_matrix(grid, source, runner=namespace_runner(nodes, scratch), progress=False)
+        if a.rate == "local":
+            records = matrix.run_matrix(grid, source, runner=local_runner(a.collectives), progress=False)
+        else:
+            with netns.two_nodes(netns.RATES[a.rate]) as nodes:
+                records = matrix.run_matrix(grid, source, runner=namespace_runner(nodes, scratch), progress=False)
     records = [report.summarize(r) if r.status is CellStatus.OK else r for r in records]
     records, comparisons = report.compare(records)
-    print(f"TP=2 across two network namespaces, link {a.rate}")
+    print("TP=2 on this machine, collectives " + a.collectives if a.rate == "local"
+          else f"TP=2 across two network namespaces, link {a.rate}")
     print(report.text_table(records))
     for c in comparisons:
         print(f"batch {c.batch} ctx {c.prompt_len}: deinfer {c.deinfer_tokens_per_s:.1f} tok/s, "
@@ -127,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         if r.status is CellStatus.ERROR:
             print(f"failed: {r.cell.label()}: {r.error}", file=sys.stderr)
     if a.json is not None:
-        doc = {"rate": a.rate, "cells": [r.to_json() for r in records],
+        doc = {"rate": a.rate, "collectives": a.collectives, "cells": [r.to_json() for r in records],
                "comparisons": [c.to_json() for c in comparisons], "load_avg": os.getloadavg()}
         report.write_atomic(a.json, json.dumps(doc, indent=1))
     return 1 if any(r.status is CellStatus.ERROR for r in records) else 0
