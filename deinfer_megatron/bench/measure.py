@@ -21,6 +21,7 @@ from typing import Any
 
 from deinfer_megatron.bench.records import DecodeStepComm, RankMeasurement, Sample
 from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.parallel.collectives import Collectives
 from deinfer_megatron.specs.layout import Layout
 
 
@@ -37,6 +38,7 @@ class CellJob:
     gen_len: int
     repeats: int
     prompts: tuple[tuple[int, ...], ...]  # batch × prompt_len random ids, the same on every rank
+    collectives: Collectives = Collectives.AUTO  # what carries the TP collectives (parallel.collectives)
 
 
 def _status_kb(field: str) -> int | None:
@@ -145,7 +147,7 @@ def cell_worker(job: CellJob) -> RankMeasurement:
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
 
     t0 = time.perf_counter()
-    groups = init_parallel(job.tp, 1)
+    groups = init_parallel(job.tp, 1, collectives=job.collectives)
     try:
         folder = open_model(job.folder, verify=False)  # the parent verified it once
         stage = build_stage(folder.arch, folder.rank_config, job.layout, groups)

@@ -12,6 +12,7 @@ from deinfer_megatron.cli.output import emit_json
 from deinfer_megatron.files.text import read_text
 from deinfer_megatron.generation.job import GenerateJob, prepare, run_generate
 from deinfer_megatron.generation.options import CacheOptions, DType, Engine, Parallelism
+from deinfer_megatron.parallel.collectives import Collectives
 from deinfer_megatron.generation.sampling import SamplingParams
 from deinfer_megatron.launch.external import LAUNCHERS, run_under_launcher
 from deinfer_megatron.launch.report import send_report
@@ -45,6 +46,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--layout", type=parsed_by(Layout.parse), choices=names(Layout), default=Layout.DEINFER)
+    p.add_argument("--collectives", type=parsed_by(Collectives.parse), choices=names(Collectives),
+                   default=Collectives.AUTO,
+                   help="auto: shared memory between the CPU ranks of a node, the process group beyond; "
+                        "process-group: torch.distributed (gloo/NCCL) only")
     p.add_argument("--kv-cache", type=parsed_by(CacheKind.parse), choices=names(CacheKind), default=CacheKind.FULL)
     p.add_argument("--no-absorb", dest="absorb", action="store_false",
                    help="latent cache: rebuild V instead of absorbing U_v after attention")
@@ -86,7 +91,7 @@ def config_from_args(args: argparse.Namespace) -> GenerateConfig:
     job = GenerateJob(
         model=args.model, prompts=prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
         stop=tuple(args.stop), chat=args.chat,
-        parallel=Parallelism(tp=args.tp, pp=args.pp, layout=args.layout),
+        parallel=Parallelism(tp=args.tp, pp=args.pp, layout=args.layout, collectives=args.collectives),
         cache=CacheOptions(kind=args.kv_cache, absorb_values=args.absorb, budget_gb=args.kv_budget_gb),
         engine=args.engine, own_loop=args.own_loop, dtype=args.dtype,
         stream=len(prompts) == 1 and not args.json, verify=args.verify)

@@ -172,7 +172,7 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
 
     par, cache = job.parallel, job.cache
     tokenizer = _tokenizer(job.model)
-    groups = init_parallel(par.tp, par.pp)
+    groups = init_parallel(par.tp, par.pp, collectives=par.collectives)
     try:
         stage = load_folder(job.model, par.layout, groups, dtype=job.dtype.torch, verify=False)  # prepare() verified
         tokens = slot_length(
@@ -217,6 +217,7 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
         "driver": driver,
         "engine": job.engine.value,
         "layout": par.layout.value, "kv_cache": cache.kind.value, "tp": par.tp, "pp": par.pp,
+        "collectives": groups.transport.kind,  # what carried rank 0's TP collectives
     }
 
 

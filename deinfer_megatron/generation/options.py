@@ -16,6 +16,7 @@ from enum import Enum
 import torch
 
 from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.parallel.collectives import Collectives
 from deinfer_megatron.specs.layout import Layout
 
 
@@ -65,18 +66,22 @@ def latent_cache_layouts() -> str:
 
 @dataclass(frozen=True)
 class Parallelism:
-    """Tensor- and pipeline-parallel sizes and the layout the stages are built in.
+    """Tensor- and pipeline-parallel sizes, the layout the stages are built in, and what carries
+    the tensor-parallel collectives (``parallel.collectives``: shared memory between the CPU
+    ranks of a node by default).
 
-    ``layout`` is parsed on construction (``Layout.parse``; a ``Layout`` passes unchanged), so a
-    job built in Python may name it.
+    ``layout`` and ``collectives`` are parsed on construction (``Layout.parse``,
+    ``Collectives.parse``; a member passes unchanged), so a job built in Python may name them.
     """
 
     tp: int = 1
     pp: int = 1
     layout: Layout = Layout.DEINFER
+    collectives: Collectives = Collectives.AUTO
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", Layout.parse(self.layout))
+        object.__setattr__(self, "collectives", Collectives.parse(self.collectives))
 
     @property
     def world(self) -> int:

@@ -42,7 +42,7 @@ import contextlib
 import contextvars
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -122,6 +122,47 @@ def _record(kind: str, site: str, layer: int, width: int, x: torch.Tensor,
         ledger.records.append(CommRecord(kind, site, layer, width, tokens, phase))
 
 
+# ------------------------------------------------------------------ transports
+# How a group's raw all-reduce / all-gather travel. Chosen once per group at setup
+# (``parallel.collectives.install``, from ``runtime.init_parallel``); a group without an entry uses
+# torch.distributed. Ledger accounting above is the same whichever carries the bytes.
+
+
+class Transport(Protocol):
+    """Carries the raw collectives of one tensor-parallel group (e.g. ``shm.ShmCollectives``)."""
+
+    def all_reduce(self, x: torch.Tensor) -> None: ...  # in-place sum, contiguous x
+
+    def all_gather(self, out: torch.Tensor, x: torch.Tensor) -> None: ...  # out = [size*x.shape[0], ...]
+
+
+_TRANSPORTS: dict[dist.ProcessGroup, Transport] = {}
+
+
+def use_transport(group: dist.ProcessGroup, transport: Transport | None) -> None:
+    """Route ``group``'s all-reduces and all-gathers through ``transport`` (None: torch.distributed)."""
+    if transport is None:
+        _TRANSPORTS.pop(group, None)
+    else:
+        _TRANSPORTS[group] = transport
+
+
+def _raw_all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> None:
+    transport = _TRANSPORTS.get(group)
+    if transport is None:
+        dist.all_reduce(x, group=group)
+    else:
+        transport.all_reduce(x)
+
+
+def _raw_all_gather(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> None:
+    transport = _TRANSPORTS.get(group)
+    if transport is None:
+        _all_gather_flat(out, x, group=group)
+    else:
+        transport.all_gather(out, x)
+
+
 def _require_group(tp: TPView, op: str, site: str) -> dist.ProcessGroup:
     if tp.group is None:
         raise RuntimeError(
@@ -138,7 +179,7 @@ def _needs_grad(x: torch.Tensor) -> bool:
 def _gather(x: torch.Tensor, tp: TPView, group: dist.ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_flat(out, x, group=group)
+    _raw_all_gather(out, x, group)
     chunks = out.view(tp.size, *x.shape)
     return chunks.movedim(0, -2).reshape(*x.shape[:-1], tp.size * x.shape[-1])
 
@@ -155,7 +196,7 @@ def _reduce_scatter(g: torch.Tensor, tp: TPView, group: dist.ProcessGroup) -> to
 
 def _sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
-    dist.all_reduce(x, group=group)
+    _raw_all_reduce(x, group)
     return x
 
 

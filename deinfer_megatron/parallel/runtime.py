@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from deinfer_megatron import patches
+from deinfer_megatron.parallel import collectives as transports
+from deinfer_megatron.parallel.collectives import Collectives
 from deinfer_megatron.parallel.rendezvous import local_store
 
 
@@ -30,6 +32,7 @@ class ParallelGroups:
     pp_size: int
     pg_collection: Any  # megatron.core.process_groups_config.ProcessGroupCollection
     device: torch.device = torch.device("cpu")  # where this rank's model and buffers live
+    transport: transports.Installed = field(default_factory=transports.Installed)  # what carries TP collectives
 
     @property
     def global_rank(self) -> int:
@@ -79,13 +82,17 @@ def _select_gpu(rank: int) -> None:
     torch.cuda.set_device(local)
 
 
-def init_parallel(tp: int, pp: int, *, timeout_s: float = 300.0) -> ParallelGroups:
+def init_parallel(tp: int, pp: int, *, timeout_s: float = 300.0,
+                  collectives: Collectives | str = Collectives.AUTO) -> ParallelGroups:
     """Initialise torch.distributed from the launcher's environment and build the TP/PP groups.
 
     Reads ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (set by torchrun, the DeepSpeed
     launcher, or mapped from Slurm by ``deinfer_megatron.launch``). ``timeout_s`` bounds every
-    collective so that a dead peer ends the job instead of hanging it.
+    collective so that a dead peer ends the job instead of hanging it. ``collectives`` chooses
+    what carries the TP group's collectives (``parallel.collectives``: shared memory between the
+    CPU ranks of a node by default, or the process group throughout).
     """
+    collectives = Collectives.parse(collectives)
     patches.apply_all()
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -120,7 +127,11 @@ def init_parallel(tp: int, pp: int, *, timeout_s: float = 300.0) -> ParallelGrou
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
+    transports.uninstall_all()  # a second init in one process replaces the first's groups
+    installed = transports.install(parallel_state.get_tensor_model_parallel_group(), collectives,
+                                   timeout_s=timeout_s)
     return ParallelGroups(
+        transport=installed,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         tp_size=tp,
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
@@ -134,6 +145,7 @@ def shutdown() -> None:
     """Tear down Megatron's groups and the default process group."""
     from megatron.core import parallel_state
 
+    transports.uninstall_all()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():

@@ -98,22 +98,25 @@ def test_flags_are_parsed_into_a_typed_config(tmp_path: Path) -> None:
     from deinfer_megatron.cli.main import build_parser
     from deinfer_megatron.generation.options import DType, Engine
     from deinfer_megatron.layers.kv_cache import CacheKind
+    from deinfer_megatron.parallel.collectives import Collectives
     from deinfer_megatron.specs.layout import Layout
 
     args = build_parser().parse_args(
         ["generate", "--model", str(tmp_path), "--prompt", "Hi", "--prompt", "Ho", "--tp", "2", "--layout", "naive",
          "--kv-cache", "latent", "--no-absorb", "--kv-budget-gb", "0.5", "--engine", "deepspeed",
-         "--dtype", "bfloat16", "--launcher", "torchrun", "--json"])
+         "--dtype", "bfloat16", "--launcher", "torchrun", "--collectives", "process-group", "--json"])
     cfg = args.make_config(args)
     assert isinstance(cfg, GenerateConfig) and cfg.launcher == "torchrun" and cfg.json
     job = cfg.job
     assert job.prompts == ("Hi", "Ho") and not job.stream
     assert (job.parallel.tp, job.parallel.pp, job.parallel.layout) == (2, 1, Layout.NAIVE)
+    assert job.parallel.collectives is Collectives.PROCESS_GROUP
     assert (job.cache.kind, job.cache.absorb_values, job.cache.budget_gb) == (CacheKind.LATENT, False, 0.5)
     assert job.engine is Engine.DEEPSPEED and job.dtype is DType.BFLOAT16
     defaults = build_parser().parse_args(["generate", "--model", str(tmp_path), "--prompt", "Hi"])
     job = defaults.make_config(defaults).job
     assert job.parallel.layout is Layout.DEINFER and job.cache.kind is CacheKind.FULL and job.stream
+    assert job.parallel.collectives is Collectives.AUTO
     assert job.engine is Engine.MEGATRON and job.dtype is DType.FLOAT32
 
 
@@ -123,3 +126,6 @@ def test_an_unknown_choice_names_the_choices(capsys) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--model", "m", "--prompt", "Hi", "--kv-cache", "half"])
     assert "argument --kv-cache: unknown KV cache kind 'half'; choose one of full, latent" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--model", "m", "--prompt", "Hi", "--collectives", "nccl"])
+    assert "argument --collectives: unknown collectives 'nccl'; choose one of auto, process-group" in capsys.readouterr().err
