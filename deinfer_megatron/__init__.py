@@ -18,6 +18,7 @@ PACKAGE_ORDER: tuple[frozenset[str], ...] = (
     frozenset({"models"}),  # building and loading a pipeline stage; its forward across stages
     frozenset({"planning"}),  # the cost of a layout, computed without running it
     frozenset({"evaluation", "generation", "decompose"}),  # the jobs
+    frozenset({"healing"}),  # distillation after decompose (reuses its calibration data)
     frozenset({"bench"}),  # timing the jobs
     frozenset({"cli"}),  # argument parsing into config dataclasses
 )

@@ -16,7 +16,7 @@ import sys
 import warnings
 from typing import Any, Sequence
 
-COMMANDS = ("fetch_cmd", "decompose_cmd", "plan_cmd", "eval_cmd", "generate_cmd", "demo_cmd", "bench_cmd")
+COMMANDS = ("fetch_cmd", "decompose_cmd", "plan_cmd", "eval_cmd", "generate_cmd", "demo_cmd", "bench_cmd", "heal_cmd")
 
 
 
