@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from deinfer_megatron.healing.job import DTYPES, HealJob, run_heal
+from deinfer_megatron.healing.loop import DISTILL
 from deinfer_megatron.healing.student import TRAINABLE
 
 
@@ -26,6 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
     p.add_argument("--train", choices=TRAINABLE, default="factors", help="which factors to train")
     p.add_argument("--ce-weight", type=float, default=0.0, help="weight of next-token cross-entropy beside the KL")
+    p.add_argument("--distill", choices=DISTILL, default="logits",
+                   help="KL of the logits, each layer's output on the teacher's input, or half then half")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute precision (weights stay float32)")
     p.add_argument("--save-every", type=int, default=50, help="checkpoint every S steps (0: never)")
     p.add_argument("--resume", action="store_true", help="continue a killed run into the same --out")
@@ -38,12 +41,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def config_from_args(a: argparse.Namespace) -> HealJob:
     return HealJob(model=a.model, teacher=a.teacher, out=a.out, calib_text=tuple(a.calib_text),
                    calib_self=a.calib_self, tokens=a.tokens, minutes=a.minutes, lr=a.lr, warmup=a.warmup,
-                   batch=a.batch, seq_len=a.seq_len, train=a.train, ce_weight=a.ce_weight, dtype=a.dtype,
-                   save_every=a.save_every, resume=a.resume, json_log=a.json_log, seed=a.seed)
+                   batch=a.batch, seq_len=a.seq_len, train=a.train, ce_weight=a.ce_weight, distill=a.distill,
+                   dtype=a.dtype, save_every=a.save_every, resume=a.resume, json_log=a.json_log, seed=a.seed)
 
 
 def main(job: HealJob) -> int:
     summary = run_heal(job)
     print(json.dumps({"out": str(job.out), "steps": summary["steps"], "tokens": summary["tokens"],
-                      "first_kl": summary["first_kl"], "final_kl": summary["final_kl"]}))
+                      "first_kl": summary["first_kl"], "final_kl": summary["final_kl"],
+                      "final_loss": summary["final_loss"]}))
     return 0

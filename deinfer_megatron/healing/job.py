@@ -25,7 +25,7 @@ from deinfer_megatron.files.staging import claim_output
 from deinfer_megatron.files.text import read_text
 from deinfer_megatron.healing import state as run_state
 from deinfer_megatron.healing.data import HealData, build_data
-from deinfer_megatron.healing.loop import LoopSettings, train
+from deinfer_megatron.healing.loop import DISTILL, LoopSettings, train
 from deinfer_megatron.healing.student import TRAINABLE, load_student, load_teacher, student_tensors, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class HealJob:
     seq_len: int = 256
     train: str = "factors"
     ce_weight: float = 0.0
+    distill: str = "logits"
     dtype: str = "float32"
     save_every: int = 0
     resume: bool = False
@@ -65,7 +66,8 @@ class HealJob:
         steps = None if self.tokens is None else math.ceil(self.tokens / (self.batch * self.seq_len))
         return LoopSettings(self.lr, self.warmup, self.batch, self.seq_len, steps,
                             None if self.minutes is None else self.minutes * 60, ce_weight=self.ce_weight,
-                            seed=self.seed, save_every=self.save_every, bf16=self.dtype == "bfloat16")
+                            seed=self.seed, save_every=self.save_every, bf16=self.dtype == "bfloat16",
+                            distill=self.distill)
 
 
 def _check_numbers(job: HealJob) -> None:
@@ -86,6 +88,8 @@ def _check_numbers(job: HealJob) -> None:
         raise ValueError(f"--ce-weight must be ≥ 0, got {job.ce_weight}")
     if job.train not in TRAINABLE:
         raise ValueError(f"unknown --train {job.train!r}; choose one of {', '.join(TRAINABLE)}")
+    if job.distill not in DISTILL:
+        raise ValueError(f"unknown --distill {job.distill!r}; choose one of {', '.join(DISTILL)}")
     if job.dtype not in DTYPES:
         raise ValueError(f"unknown --dtype {job.dtype!r}; choose float32 or bfloat16")
     if not job.calib_text and not job.calib_self:
@@ -179,13 +183,16 @@ def run_heal(job: HealJob, on_record: Callable[[dict[str, Any]], None] | None = 
     finally:
         if log_file is not None:
             log_file.close()
-    tail = records[-min(10, len(records)):]
+    kl = [r["kl"] for r in records if "kl" in r]
+    tail = kl[-min(10, len(kl)):]
     summary = {
         "teacher": str(job.teacher), "student": str(job.model),
         "data": data.sources, "windows": int(data.windows.shape[0]), "seq_len": job.seq_len,
         "steps": len(records), "tokens": len(records) * job.batch * job.seq_len,
-        "final_kl": sum(r["kl"] for r in tail) / max(1, len(tail)),
-        "first_kl": records[0]["kl"] if records else None,
+        "distill": job.distill,
+        "final_kl": sum(tail) / len(tail) if tail else None,  # the mean of the last 10 logit steps
+        "first_kl": kl[0] if kl else None,
+        "final_loss": records[-1]["loss"] if records else None,
         "train": job.train, "lr": job.lr, "warmup": job.warmup, "batch": job.batch, "dtype": job.dtype,
         "ce_weight": job.ce_weight, "seed": job.seed,
         "heal_seconds": round(records[-1]["elapsed_s"], 1) if records else 0.0,

@@ -1,7 +1,8 @@
 """The distillation loop: AdamW, linear warm-up then cosine decay, gradient clipping.
 
 Each step runs the teacher (no gradient) and the student on the same batch and minimises the
-KL between their next-token distributions. Every step is one JSON record (loss, learning
+KL between their next-token distributions (``logits``), or each layer's error on the
+teacher's own layer inputs (``blocks``, see ``healing.blocks``), or the one then the other. Every step is one JSON record (loss, learning
 rate, gradient norm, tokens/s); every ``save_every`` steps the state is checkpointed
 atomically. With a token budget the schedule is a function of the step alone, so a resumed
 run repeats the uninterrupted one exactly; with a time budget it follows the elapsed time.
@@ -23,11 +24,14 @@ from torch import nn
 from tqdm import tqdm
 
 from deinfer_megatron.files import failpoints
+from deinfer_megatron.healing.blocks import block_loss, teacher_layer_io
 from deinfer_megatron.healing.data import HealData
 from deinfer_megatron.healing.loss import distill_loss
 from deinfer_megatron.healing.state import save_checkpoint
 
 MIN_LR_FRACTION = 0.1  # the cosine ends at a tenth of the peak learning rate
+DISTILL = ("logits", "blocks", "blocks-then-logits")
+BLOCKS_FRACTION = 0.5  # blocks-then-logits: the share of the budget spent block-wise
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,14 @@ class LoopSettings:
     seed: int = 0
     save_every: int = 0
     bf16: bool = False
+    distill: str = "logits"  # one of DISTILL
+
+
+def step_kind(s: LoopSettings, progress: float) -> str:
+    """"logits" or "blocks" for a step at ``progress`` ∈ [0, 1) of the budget."""
+    if s.distill == "blocks-then-logits":
+        return "blocks" if progress < BLOCKS_FRACTION else "logits"
+    return s.distill
 
 
 def learning_rate(s: LoopSettings, step: int, progress: float) -> float:
@@ -88,11 +100,16 @@ def train(student: nn.Module, teacher: nn.Module, names: list[str], data: HealDa
         while (s.steps is None or step < s.steps) and (s.seconds is None or elapsed < s.seconds):
             t0 = time.perf_counter()
             ids = data.batch(step, s.batch, s.seed)
-            with torch.no_grad(), autocast():
-                target = teacher(ids).logits
+            done = step / s.steps if s.steps is not None else elapsed / (s.seconds or 1.0)
+            kind = step_kind(s, done)
             with autocast():
-                logits = student(ids).logits
-            loss, parts = distill_loss(logits, target, ids, s.ce_weight)
+                if kind == "blocks":
+                    loss = block_loss(student, teacher_layer_io(teacher, ids))
+                    parts = {"block_rel_mse": loss.item()}
+                else:
+                    with torch.no_grad():
+                        target = teacher(ids).logits
+                    loss, parts = distill_loss(student(ids).logits, target, ids, s.ce_weight)
             optim.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, s.clip, foreach=False).item()
@@ -105,7 +122,7 @@ def train(student: nn.Module, teacher: nn.Module, names: list[str], data: HealDa
             dt = time.perf_counter() - t0
             elapsed += dt
             step += 1
-            record = {"step": step, "tokens": step * tokens_per_step, "loss": loss.item(), **parts,
+            record = {"step": step, "kind": kind, "tokens": step * tokens_per_step, "loss": loss.item(), **parts,
                       "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / dt,
                       "elapsed_s": round(elapsed, 3)}
             records.append(record)
@@ -114,7 +131,7 @@ def train(student: nn.Module, teacher: nn.Module, names: list[str], data: HealDa
                 log.flush()
             if on_record is not None:
                 on_record(record)
-            bar.set_postfix(kl=f"{parts['kl']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+            bar.set_postfix(**{kind: f"{loss.item():.4f}"}, tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
             bar.update(1 if s.steps is not None else round(elapsed) - bar.n)
             if s.save_every and step % s.save_every == 0:
                 save_checkpoint(state_folder, step, {n: params[n].detach().clone() for n in names},

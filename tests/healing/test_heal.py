@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
@@ -49,10 +50,11 @@ def test_token_kl_is_the_textbook_formula() -> None:
     assert torch.allclose(token_kl(s, t), (p * (p.log() - q.log())).sum(-1).mean(), atol=1e-6)
 
 
-def test_heal_lowers_the_kl_on_held_out_text(pair, tmp_path) -> None:
+@pytest.mark.parametrize("distill", ["logits", "blocks"])
+def test_heal_lowers_the_kl_on_held_out_text(pair, tmp_path, distill) -> None:
     out = tmp_path / "healed"
-    summary = run_heal(HealJob(model=pair.dec, teacher=pair.dense, out=out, calib_text=(pair.heal_text,),
-                               tokens=24 * 2 * 32, batch=2, seq_len=32, lr=3e-3, warmup=2))
+    run_heal(HealJob(model=pair.dec, teacher=pair.dense, out=out, calib_text=(pair.heal_text,),
+                     tokens=24 * 2 * 32, batch=2, seq_len=32, lr=3e-3, warmup=2, distill=distill))
     before = _reference_kl(pair.dense, pair.dec, pair.held_out)
     after = _reference_kl(pair.dense, out, pair.held_out)
     assert after < 0.8 * before, (before, after)
@@ -62,4 +64,5 @@ def test_heal_lowers_the_kl_on_held_out_text(pair, tmp_path) -> None:
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["method"] == "svd" and manifest["healing"]["teacher"] == str(pair.dense)
     assert manifest["healing"]["steps"] == 24 and manifest["healing"]["tokens"] == 24 * 2 * 32
-    assert manifest["healing"]["final_kl"] < manifest["healing"]["first_kl"]
+    if distill == "logits":
+        assert manifest["healing"]["final_kl"] < manifest["healing"]["first_kl"]
