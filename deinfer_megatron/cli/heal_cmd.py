@@ -34,6 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue a killed run into the same --out")
     p.add_argument("--out", type=Path, required=True, help="the healed decomposed folder (must not exist)")
     p.add_argument("--json", type=Path, dest="json_log", metavar="LOG", help="write every step as a JSON line to LOG")
+    p.add_argument("--eval-text", type=Path, nargs="+", default=(), metavar="FILE",
+                   help="held-out text: perplexity before, every --eval-every steps, and after (logged)")
+    p.add_argument("--eval-every", type=int, default=0, help="steps between held-out evaluations")
+    p.add_argument("--eval-tokens", type=int, default=2048, help="held-out tokens per --eval-text file")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(make_config=config_from_args, run=main)
 
@@ -42,12 +46,13 @@ def config_from_args(a: argparse.Namespace) -> HealJob:
     return HealJob(model=a.model, teacher=a.teacher, out=a.out, calib_text=tuple(a.calib_text),
                    calib_self=a.calib_self, tokens=a.tokens, minutes=a.minutes, lr=a.lr, warmup=a.warmup,
                    batch=a.batch, seq_len=a.seq_len, train=a.train, ce_weight=a.ce_weight, distill=a.distill,
-                   dtype=a.dtype, save_every=a.save_every, resume=a.resume, json_log=a.json_log, seed=a.seed)
+                   dtype=a.dtype, save_every=a.save_every, resume=a.resume, json_log=a.json_log, seed=a.seed,
+                   eval_text=tuple(a.eval_text), eval_every=a.eval_every, eval_tokens=a.eval_tokens)
 
 
 def main(job: HealJob) -> int:
     summary = run_heal(job)
     print(json.dumps({"out": str(job.out), "steps": summary["steps"], "tokens": summary["tokens"],
                       "first_kl": summary["first_kl"], "final_kl": summary["final_kl"],
-                      "final_loss": summary["final_loss"]}))
+                      "final_loss": summary["final_loss"], **({"eval": summary["eval"]} if "eval" in summary else {})}))
     return 0

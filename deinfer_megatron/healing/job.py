@@ -26,6 +26,7 @@ from deinfer_megatron.files.text import read_text
 from deinfer_megatron.healing import state as run_state
 from deinfer_megatron.healing.data import HealData, build_data
 from deinfer_megatron.healing.loop import DISTILL, LoopSettings, train
+from deinfer_megatron.healing.watch import HeldOut
 from deinfer_megatron.healing.student import TRAINABLE, load_student, load_teacher, student_tensors, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -54,11 +55,14 @@ class HealJob:
     json_log: Path | None = None
     seed: int = 0
     max_text_tokens: int = 200_000  # per text file
+    eval_text: tuple[Path, ...] = ()  # held-out perplexity during healing (the curve)
+    eval_every: int = 0
+    eval_tokens: int = 2048
 
     def settings(self) -> dict[str, Any]:
         """What a resume must repeat (JSON-comparable)."""
         d = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()
-             if k not in ("resume", "json_log", "save_every")}
+             if k not in ("resume", "json_log", "save_every", "eval_text", "eval_every", "eval_tokens")}
         d["calib_text"] = [str(p) for p in self.calib_text]
         return d
 
@@ -67,7 +71,7 @@ class HealJob:
         return LoopSettings(self.lr, self.warmup, self.batch, self.seq_len, steps,
                             None if self.minutes is None else self.minutes * 60, ce_weight=self.ce_weight,
                             seed=self.seed, save_every=self.save_every, bf16=self.dtype == "bfloat16",
-                            distill=self.distill)
+                            distill=self.distill, eval_every=self.eval_every)
 
 
 def _check_numbers(job: HealJob) -> None:
@@ -82,8 +86,13 @@ def _check_numbers(job: HealJob) -> None:
             raise ValueError(f"{flag} must be a positive integer, got {value}")
     if not job.lr > 0:
         raise ValueError(f"--lr must be > 0, got {job.lr}")
-    if job.warmup < 0 or job.save_every < 0:
-        raise ValueError("--warmup and --save-every must be ≥ 0")
+    if job.warmup < 0 or job.save_every < 0 or job.eval_every < 0:
+        raise ValueError("--warmup, --save-every and --eval-every must be ≥ 0")
+    if job.eval_tokens < 2:
+        raise ValueError(f"--eval-tokens must be at least 2, got {job.eval_tokens}")
+    overlap = set(map(Path.resolve, job.eval_text)) & set(map(Path.resolve, job.calib_text))
+    if overlap:
+        raise ValueError(f"--eval-text {sorted(overlap)[0]} is also healing data; held-out text must not be")
     if job.ce_weight < 0:
         raise ValueError(f"--ce-weight must be ≥ 0, got {job.ce_weight}")
     if job.train not in TRAINABLE:
@@ -142,8 +151,9 @@ def validate(job: HealJob) -> Path:
     """Every check that needs no model loaded; returns the run's state folder."""
     _check_numbers(job)
     _check_models(job)
-    for path in job.calib_text:
-        read_text(path, "--calib-text", max_chars=1000)
+    for flag, paths in (("--calib-text", job.calib_text), ("--eval-text", job.eval_text)):
+        for path in paths:
+            read_text(path, flag, max_chars=1000)
     return _check_output(job)
 
 
@@ -172,6 +182,15 @@ def run_heal(job: HealJob, on_record: Callable[[dict[str, Any]], None] | None = 
     data = _data(job, folder, teacher)
     student, names = load_student(dec, job.train)
     start = run_state.load_torch(folder / "state.pt") if job.resume and (folder / "state.pt").is_file() else None
+    held_out = evaluate = teacher_eval = None
+    if job.eval_text:
+        import transformers
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(job.teacher)
+        held_out = HeldOut(tokenizer, job.eval_text, window=min(job.seq_len, dec.arch.max_positions),
+                           max_tokens=job.eval_tokens)
+        teacher_eval = held_out.perplexity(teacher)
+        evaluate = held_out.perplexity
     log_file = None
     if job.json_log is not None:
         log_file = open(job.json_log, "w", encoding="utf-8")
@@ -179,16 +198,17 @@ def run_heal(job: HealJob, on_record: Callable[[dict[str, Any]], None] | None = 
             log_file.write(json.dumps(record) + "\n")
     try:
         records = train(student, teacher, names, data, job.loop_settings(), state_folder=folder, start=start,
-                        log=log_file, on_record=on_record)
+                        log=log_file, on_record=on_record, evaluate=evaluate)
     finally:
         if log_file is not None:
             log_file.close()
+    steps = records[-1]["step"] if records else 0
     kl = [r["kl"] for r in records if "kl" in r]
     tail = kl[-min(10, len(kl)):]
     summary = {
         "teacher": str(job.teacher), "student": str(job.model),
         "data": data.sources, "windows": int(data.windows.shape[0]), "seq_len": job.seq_len,
-        "steps": len(records), "tokens": len(records) * job.batch * job.seq_len,
+        "steps": steps, "tokens": steps * job.batch * job.seq_len,
         "distill": job.distill,
         "final_kl": sum(tail) / len(tail) if tail else None,  # the mean of the last 10 logit steps
         "first_kl": kl[0] if kl else None,
@@ -197,6 +217,10 @@ def run_heal(job: HealJob, on_record: Callable[[dict[str, Any]], None] | None = 
         "ce_weight": job.ce_weight, "seed": job.seed,
         "heal_seconds": round(records[-1]["elapsed_s"], 1) if records else 0.0,
     }
+    if teacher_eval is not None:
+        evals = [r for r in records if "eval" in r]
+        summary["eval"] = {"teacher": teacher_eval, "before": evals[0]["eval"], "after": evals[-1]["eval"],
+                           "tokens": job.eval_tokens}
     base = dict(dec.manifest or {})
     base.pop("files", None)
     base.pop("format", None)
@@ -205,5 +229,5 @@ def run_heal(job: HealJob, on_record: Callable[[dict[str, Any]], None] | None = 
                      tokenizer_dir=job.model, inputs=(job.model, job.teacher),
                      metadata={**base, "healing": summary})
     run_state.remove(folder)
-    log.info("healed %d steps in %.1f s → %s", len(records), time.perf_counter() - start_time, job.out)
+    log.info("healed %d steps in %.1f s → %s", steps, time.perf_counter() - start_time, job.out)
     return summary

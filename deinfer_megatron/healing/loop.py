@@ -49,6 +49,7 @@ class LoopSettings:
     save_every: int = 0
     bf16: bool = False
     distill: str = "logits"  # one of DISTILL
+    eval_every: int = 0  # steps between held-out evaluations (0: only before and after)
 
 
 def step_kind(s: LoopSettings, progress: float) -> str:
@@ -79,10 +80,21 @@ def _progress_bar(s: LoopSettings, start_step: int, elapsed: float) -> tqdm:
                 file=sys.stderr, dynamic_ncols=True, bar_format="{l_bar}{bar}| {n:.0f}/{total} s [{remaining} left{postfix}]")
 
 
+def _write(log: TextIO | None, record: dict[str, Any]) -> None:
+    if log is not None:
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+
+
 def train(student: nn.Module, teacher: nn.Module, names: list[str], data: HealData, s: LoopSettings, *,
           state_folder: Path, start: dict[str, Any] | None, log: TextIO | None,
-          on_record: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """Run the loop from ``start`` (a loaded checkpoint, or None); returns every step's record."""
+          on_record: Callable[[dict[str, Any]], None] | None = None,
+          evaluate: Callable[[nn.Module], dict[str, float]] | None = None) -> list[dict[str, Any]]:
+    """Run the loop from ``start`` (a loaded checkpoint, or None); returns every step's record.
+
+    ``evaluate`` (held-out perplexities) runs before the first step, every ``eval_every``
+    steps and after the last; its result is the record's ``"eval"`` entry (step 0: a record
+    of its own)."""
     params = dict(student.named_parameters())
     trainable = [params[n] for n in names]
     optim = make_optimizer(trainable, s)
@@ -94,6 +106,9 @@ def train(student: nn.Module, teacher: nn.Module, names: list[str], data: HealDa
         optim.load_state_dict(start["optim"])
         step, records, elapsed = start["step"], list(start["records"]), start["elapsed"]
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if s.bf16 else nullcontext
+    if evaluate is not None and step == 0:
+        records.append({"step": 0, "tokens": 0, "elapsed_s": 0.0, "eval": evaluate(student)})
+        _write(log, records[-1])
     bar = _progress_bar(s, step, elapsed)
     tokens_per_step = s.batch * s.seq_len
     try:
@@ -125,10 +140,11 @@ def train(student: nn.Module, teacher: nn.Module, names: list[str], data: HealDa
             record = {"step": step, "kind": kind, "tokens": step * tokens_per_step, "loss": loss.item(), **parts,
                       "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / dt,
                       "elapsed_s": round(elapsed, 3)}
+            last = (s.steps is not None and step >= s.steps) or (s.seconds is not None and elapsed >= s.seconds)
+            if evaluate is not None and ((s.eval_every and step % s.eval_every == 0) or last):
+                record["eval"] = evaluate(student)
             records.append(record)
-            if log is not None:
-                log.write(json.dumps(record) + "\n")
-                log.flush()
+            _write(log, record)
             if on_record is not None:
                 on_record(record)
             bar.set_postfix(**{kind: f"{loss.item():.4f}"}, tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
