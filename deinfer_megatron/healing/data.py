@@ -1,10 +1,13 @@
 """Healing data: token windows from text files and from conversations the teacher writes.
 
-All sources are cut into ``[n, seq_len]`` windows and pooled. The order is a fixed function of
-the seed — epoch ``e`` visits the windows in ``randperm(n, seed + e)`` — so step ``s`` always
-sees the same batch, and a resumed run sees exactly what the uninterrupted run would have.
-The pooled windows are saved with the run's state, so a resume does not sample the teacher
-again.
+Every source (each text file; the teacher's conversations) is cut into ``[n, seq_len]``
+windows, and the sources take turns — window ``k`` of the run comes from source
+``k mod S`` — so a few hundred tokens of conversations are not drowned by a novel of 200k
+(a model healed on prose alone forgets its chat format). Within a source the order is a fixed
+function of the seed — its epoch ``e`` visits the windows in ``randperm(n, seed + e)`` — so
+step ``s`` always sees the same batch, and a resumed run sees exactly what the uninterrupted
+run would have. The windows are saved with the run's state, so a resume does not sample the
+teacher again.
 """
 
 from __future__ import annotations
@@ -22,18 +25,23 @@ from deinfer_megatron.decompose.calibration import self_dialogues, text_windows
 class HealData:
     """Pooled token windows and where they came from (for the manifest)."""
 
-    windows: torch.Tensor  # [n, seq_len] token ids
+    windows: list[torch.Tensor]  # per source, [n_j, seq_len] token ids
     sources: list[dict[str, Any]] = field(default_factory=list)
 
+    @property
+    def count(self) -> int:
+        return sum(w.shape[0] for w in self.windows)
+
     def batch(self, step: int, batch: int, seed: int) -> torch.Tensor:
-        """The ``batch`` windows of ``step`` (epochs reshuffled deterministically)."""
-        n = self.windows.shape[0]
+        """The ``batch`` windows of ``step`` (sources in turn, epochs reshuffled deterministically)."""
         rows = []
         for k in range(step * batch, (step + 1) * batch):
-            epoch, i = divmod(k, n)
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
-            rows.append(order[i])
-        return self.windows[torch.stack(rows)]
+            j, visit = k % len(self.windows), k // len(self.windows)
+            n = self.windows[j].shape[0]
+            epoch, i = divmod(visit, n)
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 1000 * j + epoch))
+            rows.append(self.windows[j][order[i]])
+        return torch.stack(rows)
 
 
 def build_data(tokenizer: Any, teacher: torch.nn.Module, texts: tuple[Path, ...], self_n: int | None, *,
@@ -52,4 +60,4 @@ def build_data(tokenizer: Any, teacher: torch.nn.Module, texts: tuple[Path, ...]
         ids = self_dialogues(teacher, tokenizer, n=self_n, seq_len=seq_len, seed=seed)
         parts.append(ids)
         sources.append({"self_dialogues": self_n, "tokens": ids.numel()})
-    return HealData(torch.cat(parts), sources)
+    return HealData(parts, sources)

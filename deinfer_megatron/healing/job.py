@@ -207,7 +207,7 @@ def run_heal(job: HealJob, on_record: Callable[[dict[str, Any]], None] | None = 
     tail = kl[-min(10, len(kl)):]
     summary = {
         "teacher": str(job.teacher), "student": str(job.model),
-        "data": data.sources, "windows": int(data.windows.shape[0]), "seq_len": job.seq_len,
+        "data": data.sources, "windows": data.count, "seq_len": job.seq_len,
         "steps": steps, "tokens": steps * job.batch * job.seq_len,
         "distill": job.distill,
         "final_kl": sum(tail) / len(tail) if tail else None,  # the mean of the last 10 logit steps
