@@ -134,10 +134,11 @@ def _check_output(job: HealJob) -> Path:
         raise ValueError(f"--out {job.out} exists; choose another --out (--resume continues a killed "
                          f"run, whose state is in {folder}, not a finished one)")
     claim_output(job.out, overwrite=False, is_ours=is_project_folder, inputs=(job.model, job.teacher))
-    if job.resume and not (folder / "job.json").is_file():
-        raise ValueError(f"--resume: there is no killed run to continue ({folder} does not exist); "
+    resumable = (folder / "job.json").is_file()  # written last when a run starts; before it, nothing to keep
+    if job.resume and not resumable:
+        raise ValueError(f"--resume: there is no killed run to continue (no {folder / 'job.json'}); "
                          "run without --resume")
-    if not job.resume and folder.exists():
+    if not job.resume and resumable:
         raise ValueError(f"{folder} holds the state of a killed heal into {job.out}; pass --resume to "
                          "continue it, or remove that folder to start over")
     if job.resume:
@@ -166,7 +167,7 @@ def _data(job: HealJob, folder: Path, teacher: torch.nn.Module) -> HealData:
     tokenizer = transformers.AutoTokenizer.from_pretrained(job.teacher)
     data = build_data(tokenizer, teacher, job.calib_text, job.calib_self, seq_len=job.seq_len,
                       max_text_tokens=job.max_text_tokens, seed=job.seed)
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)  # a run killed before its job.json left at most data.pt
     run_state.save_torch(folder / "data.pt", {"windows": data.windows, "sources": data.sources})
     run_state.save_json(folder / "job.json", job.settings())  # last: its presence means resumable
     return data

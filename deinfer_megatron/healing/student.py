@@ -40,7 +40,7 @@ def _hf_model(folder: Path) -> nn.Module:
 
     config = transformers.AutoConfig.from_pretrained(folder)
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
-                                                         torch_dtype=torch.float32)
+                                                         dtype=torch.float32)
 
 
 def _read(source: Any, name: str) -> torch.Tensor:
