@@ -13,7 +13,9 @@ multiplied out. With ``--json`` each layout's comparison is one JSON document (o
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -109,6 +111,18 @@ def _reference_logits(arch: Any, rank_config: Any, state: dict, ids: torch.Tenso
         return model(ids).logits
 
 
+def cache_is_current(manifest: Path) -> bool:
+    """Whether the cached decomposition was made by the allocator this code runs: a cache made
+    by an older one (which factored break-even matrices) is decomposed again, in place — the
+    folder is the demo's own, and ``--overwrite`` replaces only folders the project made."""
+    from deinfer_megatron.decompose.allocation import ALLOCATOR_VERSION
+
+    try:
+        return json.loads(manifest.read_text()).get("allocator") == ALLOCATOR_VERSION
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def smollm2_demo(cfg: DemoConfig) -> int:
     """Decompose the embedded model once (cached), then generate beside the dense model."""
     from deinfer_megatron.checkpoints.embedded import cache_dir, fetch_model
@@ -118,7 +132,7 @@ def smollm2_demo(cfg: DemoConfig) -> int:
 
     dense = fetch_model("smollm2-135m")
     decomposed = cache_dir() / "smollm2-135m-svd-llm-r0.8-self"
-    if not (decomposed / MANIFEST).is_file():
+    if not cache_is_current(decomposed / MANIFEST):
         print("decomposing SmolLM2-135M (svd-llm, ratio 0.8, calibrated on conversations the model "
               "writes itself; done once, then cached)...")
         run_decompose(DecomposeJob(dense, "svd-llm", ratio=0.8, allocation="variadic",

@@ -134,74 +134,149 @@ def variadic_ranks(
         groups: the blocks (each decomposed or dense as a whole); default: each matrix alone.
     """
     check_ratio(ratio)
-    names = list(losses)
-    groups = [tuple(b) for b in groups] if groups is not None else [(n,) for n in names]
-    block_of = {n: i for i, b in enumerate(groups) for n in b}
-    if set(block_of) != set(names):
-        raise ValueError("variadic_ranks: the blocks must cover exactly the matrices that have losses")
-    kind = {n: matrix_kind(n) for n in names}
-    cost = {n: sum(shapes[n]) for n in names}
-    dense_cost = {n: shapes[n][0] * shapes[n][1] for n in names}
-    ceiling = {n: factor_ceiling(*shapes[n]) for n in names}
-    curve = {n: losses[n].double().tolist() for n in names}
-    budget: dict[str, int] = {}
-    for n in names:
-        budget[kind[n]] = budget.get(kind[n], 0) + uniform_rank(*shapes[n], ratio) * cost[n]
-    ranks = {n: max(1, int(VARIADIC_FLOOR * uniform_rank(*shapes[n], ratio))) for n in names}
-    for n in names:
-        budget[kind[n]] -= min(ranks[n], ceiling[n]) * cost[n]
-    dense: set[int] = set()
-    version = [0] * len(groups)  # a block's dense move is re-priced whenever one of its ranks grows
-    heap: list[tuple[float, int, tuple]] = []  # (-loss removed per parameter, order, move)
-    order = iter(range(1 << 62))  # ties go to the move offered first; moves are never compared
+    groups = [tuple(b) for b in groups] if groups is not None else [(n,) for n in losses]
+    state = _Greedy(losses, shapes, ratio, groups)
+    state.fill()
+    state.swap_in_dense_blocks()
+    state.fill()  # what the swaps left over
+    return state.result()
 
-    def dense_move(b: int) -> tuple[float, dict[str, int]]:
-        """(loss removed per parameter, parameters taken from each kind) of making block b dense."""
+
+class _Greedy:
+    """The state of the variadic allocation: ranks, dense blocks, what each kind has left.
+
+    ``fill`` is the greedy: the move removing the most loss per parameter first, a rank step of
+    one matrix or the dense move of one block, while it fits its kinds' budgets. Greedy fills
+    can end with a block walked up to its ceilings whose dense move no longer fits by a few
+    parameters; ``swap_in_dense_blocks`` then frees the parameters by taking back the cheapest
+    rank steps of the same kinds elsewhere, when that loses less than the dense move removes.
+    """
+
+    def __init__(self, losses: Mapping[str, torch.Tensor], shapes: Shapes, ratio: float,
+                 groups: list[tuple[str, ...]]) -> None:
+        names = list(losses)
+        self.groups = groups
+        self.block_of = {n: i for i, b in enumerate(groups) for n in b}
+        if set(self.block_of) != set(names):
+            raise ValueError("variadic_ranks: the blocks must cover exactly the matrices that have losses")
+        self.kind = {n: matrix_kind(n) for n in names}
+        self.cost = {n: sum(shapes[n]) for n in names}
+        self.dense_cost = {n: shapes[n][0] * shapes[n][1] for n in names}
+        self.ceiling = {n: factor_ceiling(*shapes[n]) for n in names}
+        self.curve = {n: losses[n].double().tolist() for n in names}
+        self.budget: dict[str, int] = {}
+        for n in names:
+            self.budget[self.kind[n]] = self.budget.get(self.kind[n], 0) + uniform_rank(*shapes[n], ratio) * self.cost[n]
+        self.floor = {n: max(1, int(VARIADIC_FLOOR * uniform_rank(*shapes[n], ratio))) for n in names}
+        self.ranks = dict(self.floor)
+        for n in names:
+            self.budget[self.kind[n]] -= min(self.ranks[n], self.ceiling[n]) * self.cost[n]
+        self.dense: set[int] = set()
+        for b, block in enumerate(groups):
+            if any(self.ranks[n] > self.ceiling[n] for n in block):  # even the floor reaches break-even
+                self.make_dense(b, self.dense_move(b)[1])
+
+    def result(self) -> dict[str, int]:
+        return {n: k for n, k in self.ranks.items() if self.block_of[n] not in self.dense}
+
+    def dense_move(self, b: int) -> tuple[float, dict[str, int]]:
+        """(loss removed, parameters taken from each kind) by making block b dense."""
         extra: dict[str, int] = {}
         gain = 0.0
-        for n in groups[b]:
-            k = min(ranks[n], ceiling[n])
-            extra[kind[n]] = extra.get(kind[n], 0) + dense_cost[n] - k * cost[n]
-            gain += curve[n][k]
-        return gain / max(sum(extra.values()), 1), extra
+        for n in self.groups[b]:
+            k = min(self.ranks[n], self.ceiling[n])
+            extra[self.kind[n]] = extra.get(self.kind[n], 0) + self.dense_cost[n] - k * self.cost[n]
+            gain += self.curve[n][k]
+        return gain, extra
 
-    def make_dense(b: int, extra: dict[str, int]) -> None:
-        for kd, spent in extra.items():
-            budget[kd] -= spent
-        dense.add(b)
+    def make_dense(self, b: int, extra: Mapping[str, int]) -> None:
+        for kind, spent in extra.items():
+            self.budget[kind] -= spent
+        self.dense.add(b)
 
-    def offer_rank(n: str) -> None:
-        k = ranks[n]
-        if k < ceiling[n]:
-            heapq.heappush(heap, (-(curve[n][k] - curve[n][k + 1]) / cost[n], next(order), ("rank", n)))
+    def fill(self) -> None:
+        version = [0] * len(self.groups)  # a block's dense move is re-priced when one of its ranks grows
+        heap: list[tuple[float, int, tuple]] = []  # (-loss removed per parameter, order, move)
+        order = iter(range(1 << 62))  # ties go to the move offered first; moves are never compared
+        curve, cost, ranks = self.curve, self.cost, self.ranks
 
-    def offer_dense(b: int) -> None:
-        heapq.heappush(heap, (-dense_move(b)[0], next(order), ("dense", b, version[b])))
+        def offer_rank(n: str) -> None:
+            k = ranks[n]
+            if k < self.ceiling[n]:
+                heapq.heappush(heap, (-(curve[n][k] - curve[n][k + 1]) / cost[n], next(order), ("rank", n)))
 
-    for b, block in enumerate(groups):
-        if any(ranks[n] > ceiling[n] for n in block):  # not even its floor fits below break-even
-            make_dense(b, dense_move(b)[1])
-            continue
-        offer_dense(b)
-        for n in block:
+        def offer_dense(b: int) -> None:
+            gain, extra = self.dense_move(b)
+            heapq.heappush(heap, (-gain / max(sum(extra.values()), 1), next(order), ("dense", b, version[b])))
+
+        for b, block in enumerate(self.groups):
+            if b not in self.dense:
+                offer_dense(b)
+                for n in block:
+                    offer_rank(n)
+        while heap:
+            move = heapq.heappop(heap)[2]
+            if move[0] == "dense":
+                _, b, stamp = move
+                if b in self.dense or stamp != version[b]:
+                    continue  # taken already, or re-priced since
+                extra = self.dense_move(b)[1]
+                if all(extra[kind] <= self.budget[kind] for kind in extra):
+                    self.make_dense(b, extra)
+                continue  # if it did not fit, a later rank step in the block offers it again
+            n = move[1]
+            b = self.block_of[n]
+            if b in self.dense or cost[n] > self.budget[self.kind[n]]:
+                continue  # dense already; or this matrix no longer fits (a narrower one of the kind might)
+            ranks[n] += 1
+            self.budget[self.kind[n]] -= cost[n]
+            version[b] += 1
             offer_rank(n)
-    while heap:
-        move = heapq.heappop(heap)[2]
-        if move[0] == "dense":
-            _, b, stamp = move
-            if b in dense or stamp != version[b]:
-                continue  # taken already, or re-priced since
-            extra = dense_move(b)[1]
-            if all(extra[kd] <= budget[kd] for kd in extra):
-                make_dense(b, extra)
-            continue  # if it did not fit, a later rank step in the block offers it again
-        n = move[1]
-        b = block_of[n]
-        if b in dense or cost[n] > budget[kind[n]]:
-            continue  # dense already; or this matrix no longer fits (a narrower one of the kind might)
-        ranks[n] += 1
-        budget[kind[n]] -= cost[n]
-        version[b] += 1
-        offer_rank(n)
-        offer_dense(b)
-    return {n: ranks[n] for n in names if block_of[n] not in dense}
+            offer_dense(b)
+
+    def swap_in_dense_blocks(self) -> None:
+        """Make a block dense by taking back rank steps of its kinds in other blocks, whenever the
+        steps given back lose less than the block's remaining loss; best blocks first."""
+        live = [b for b in range(len(self.groups)) if b not in self.dense]
+        ratio = {b: self.dense_move(b)[0] / max(sum(self.dense_move(b)[1].values()), 1) for b in live}
+        for b in sorted(live, key=lambda b: -ratio[b]):
+            if b in self.dense:
+                continue
+            gain, extra = self.dense_move(b)
+            taken: dict[str, int] = {}
+            lost = 0.0
+            for kind, need in extra.items():
+                freed, loss = self._give_back(kind, need - self.budget[kind], exclude=b, dry=True)
+                if freed < need - self.budget[kind]:
+                    lost = float("inf")
+                    break
+                taken[kind], lost = need - self.budget[kind], lost + loss
+            if lost < gain:
+                for kind, deficit in taken.items():
+                    self._give_back(kind, deficit, exclude=b, dry=False)
+                self.make_dense(b, extra)
+
+    def _give_back(self, kind: str, deficit: int, exclude: int, dry: bool) -> tuple[int, float]:
+        """Free at least ``deficit`` parameters of ``kind`` by undoing its cheapest rank steps (not
+        below the floors, not in block ``exclude`` or dense blocks); returns (freed, loss added)."""
+        if deficit <= 0:
+            return 0, 0.0
+        ranks = dict(self.ranks) if dry else self.ranks
+        heap = []
+        for n, k in ranks.items():
+            if self.kind[n] == kind and self.block_of[n] != exclude and self.block_of[n] not in self.dense \
+                    and k > self.floor[n]:
+                heap.append((self.curve[n][k - 1] - self.curve[n][k], n))
+        heapq.heapify(heap)
+        freed, lost = 0, 0.0
+        while heap and freed < deficit:
+            loss, n = heapq.heappop(heap)
+            ranks[n] -= 1
+            freed += self.cost[n]
+            lost += loss
+            k = ranks[n]
+            if k > self.floor[n]:
+                heapq.heappush(heap, (self.curve[n][k - 1] - self.curve[n][k], n))
+        if not dry:
+            self.budget[kind] += freed
+        return freed, lost

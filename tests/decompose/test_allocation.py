@@ -4,6 +4,8 @@ when that removes more loss per parameter than any rank step."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -124,3 +126,34 @@ def test_variadic_rejects_blocks_that_do_not_cover_the_matrices() -> None:
     shapes = {"model.layers.0.mlp.down_proj": (8, 8)}
     with pytest.raises(ValueError, match="blocks must cover exactly"):
         variadic_ranks({"model.layers.0.mlp.down_proj": curve([1.0] * 8)}, shapes, 0.5, [])
+
+
+def test_variadic_is_near_the_exhaustive_optimum() -> None:
+    """Against every choice (a rank from the floor to the ceiling, or dense) of four 12x12
+    matrices under the same budget: on random spectra and ratios the allocation's total loss is
+    the optimum in almost every case and never more than 3 % above it (greedy over a
+    non-convex choice is not exact)."""
+    gen = torch.Generator().manual_seed(0)
+    names = [f"model.layers.{i}.mlp.down_proj" for i in range(4)]
+    m = 12
+    shapes = {n: (m, m) for n in names}
+    exact = 0
+    for _ in range(60):
+        losses = {n: curve(((0.5 + 0.5 * torch.rand(1, generator=gen).item()) ** torch.arange(m, dtype=torch.float64)
+                            * (0.5 + torch.rand(1, generator=gen).item())).tolist()) for n in names}
+        ratio = 0.3 + 0.65 * torch.rand(1, generator=gen).item()
+        budget = 4 * uniform_rank(m, m, ratio) * 2 * m
+        floor = max(1, int(0.25 * uniform_rank(m, m, ratio)))
+        options = [*range(floor, factor_ceiling(m, m) + 1), None]  # None: dense
+
+        def loss(choice) -> float:
+            return sum(0.0 if k is None else losses[n][k].item() for n, k in zip(names, choice))
+
+        best = min(loss(c) for c in itertools.product(options, repeat=4)
+                   if spent({n: k for n, k in zip(names, c) if k is not None}, shapes) <= budget)
+        got = variadic_ranks(losses, shapes, ratio)
+        assert spent(got, shapes) <= budget
+        mine = loss([got.get(n) for n in names])
+        assert mine <= 1.03 * best + 1e-12
+        exact += mine <= best * (1 + 1e-9) + 1e-12
+    assert exact >= 55
