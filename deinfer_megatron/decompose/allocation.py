@@ -99,6 +99,8 @@ def uniform_ranks(arch: ModelArch, ratio: float, layers: Iterable[int] | None = 
 def uniform_allocation(shapes: Shapes, groups: Sequence[Sequence[str]], ratio: float) -> dict[str, int]:
     """``uniform_rank`` for every matrix of ``groups`` (its blocks), except blocks in which a
     matrix's factors would hold the break-even share of its parameters: those stay dense."""
+    if ratio >= BREAK_EVEN_FRACTION:  # every matrix's factors would hold ~ its dense parameters
+        return {}
     ranks = {}
     for block in groups:
         got = {n: uniform_rank(*shapes[n], ratio) for n in block}
