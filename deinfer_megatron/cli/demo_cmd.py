@@ -15,7 +15,9 @@ multiplied out. With ``--json`` each layout's comparison is one JSON document (o
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -111,6 +113,18 @@ def _reference_logits(arch: Any, rank_config: Any, state: dict, ids: torch.Tenso
         return model(ids).logits
 
 
+def cache_is_current(manifest: Path) -> bool:
+    """Whether the cached decomposition was made by the allocator this code runs: a cache made
+    by an older one (which factored break-even matrices) is decomposed again, in place — the
+    folder is the demo's own, and ``--overwrite`` replaces only folders the project made."""
+    from deinfer_megatron.decompose.allocation import ALLOCATOR_VERSION
+
+    try:
+        return json.loads(manifest.read_text()).get("allocator") == ALLOCATOR_VERSION
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 HEAL_TOKENS = 16 * 4 * 256  # 16 steps of 4 windows: a few minutes on 2 cores, done once
 
 
@@ -123,11 +137,11 @@ def _healed(dense: Any, decomposed: Any, seed: int) -> Any:
     from deinfer_megatron.healing.state import state_dir
 
     healed = cache_dir() / f"{decomposed.name}-healed"
-    if not (healed / MANIFEST).is_file():
+    if not cache_is_current(healed / MANIFEST):  # healed from an older decomposition: heal again
         print(f"healing it: {HEAL_TOKENS:,} tokens of KL distillation from the dense model on conversations "
               "it writes itself (done once, then cached)...")
         run_heal(HealJob(model=decomposed, teacher=dense, out=healed, calib_self=32, tokens=HEAL_TOKENS,
-                         lr=2e-4, warmup=2, save_every=4, seed=seed,
+                         lr=2e-4, warmup=2, save_every=4, seed=seed, overwrite=True,
                          resume=(state_dir(healed) / "job.json").is_file()))  # a killed demo continues
     return healed
 
@@ -142,7 +156,7 @@ def smollm2_demo(cfg: DemoConfig) -> int:
 
     dense = fetch_model("smollm2-135m")
     decomposed = cache_dir() / "smollm2-135m-svd-llm-r0.8-self"
-    if not (decomposed / MANIFEST).is_file():
+    if not cache_is_current(decomposed / MANIFEST):
         print("decomposing SmolLM2-135M (svd-llm, ratio 0.8, calibrated on conversations the model "
               "writes itself; done once, then cached)...")
         run_decompose(DecomposeJob(dense, "svd-llm", ratio=0.8, allocation="variadic",

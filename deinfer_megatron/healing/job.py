@@ -58,11 +58,13 @@ class HealJob:
     eval_text: tuple[Path, ...] = ()  # held-out perplexity during healing (the curve)
     eval_every: int = 0
     eval_tokens: int = 2048
+    overwrite: bool = False  # Python API only (the demo's cache): replace an --out this project wrote
 
     def settings(self) -> dict[str, Any]:
         """What a resume must repeat (JSON-comparable)."""
         d = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()
-             if k not in ("resume", "json_log", "save_every", "eval_text", "eval_every", "eval_tokens")}
+             if k not in ("resume", "json_log", "save_every", "eval_text", "eval_every", "eval_tokens",
+                          "overwrite")}
         d["calib_text"] = [str(p) for p in self.calib_text]
         return d
 
@@ -130,10 +132,10 @@ def _check_models(job: HealJob) -> None:
 
 def _check_output(job: HealJob) -> Path:
     folder = run_state.state_dir(job.out)
-    if job.out.exists():
+    if job.out.exists() and not (job.overwrite and is_project_folder(job.out)):
         raise ValueError(f"--out {job.out} exists; choose another --out (--resume continues a killed "
                          f"run, whose state is in {folder}, not a finished one)")
-    claim_output(job.out, overwrite=False, is_ours=is_project_folder, inputs=(job.model, job.teacher))
+    claim_output(job.out, overwrite=job.overwrite, is_ours=is_project_folder, inputs=(job.model, job.teacher))
     resumable = (folder / "job.json").is_file()  # written last when a run starts; before it, nothing to keep
     if job.resume and not resumable:
         raise ValueError(f"--resume: there is no killed run to continue (no {folder / 'job.json'}); "
@@ -227,7 +229,7 @@ def run_heal(job: HealJob, on_record: Callable[[dict[str, Any]], None] | None = 
     base.pop("format", None)
     write_decomposed(job.out, config=json.loads((job.model / "config.json").read_text()),
                      tensors=student_tensors(student, dec.arch.tied_embeddings), rank_config=dec.rank_config,
-                     tokenizer_dir=job.model, inputs=(job.model, job.teacher),
+                     tokenizer_dir=job.model, inputs=(job.model, job.teacher), overwrite=job.overwrite,
                      metadata={**base, "healing": summary})
     run_state.remove(folder)
     log.info("healed %d steps in %.1f s → %s", steps, time.perf_counter() - start_time, job.out)
