@@ -19,7 +19,7 @@ PACKAGE_ORDER: tuple[frozenset[str], ...] = (
     frozenset({"planning"}),  # the cost of a layout, computed without running it
     frozenset({"training"}),  # a training step of built stages: schedules, optimizer, clipping
     frozenset({"evaluation", "generation", "decompose", "conversion"}),  # the jobs
-    frozenset({"serving"}),  # the OpenAI-compatible server: continuous batching over the ranks
+    frozenset({"serving", "healing"}),  # the OpenAI-compatible server; heal (distillation, reuses decompose's data)
     frozenset({"bench"}),  # timing the jobs
     frozenset({"cli"}),  # argument parsing into config dataclasses
 )

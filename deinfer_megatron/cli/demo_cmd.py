@@ -1,8 +1,10 @@
 """``deinfer-megatron demo``: the project end to end on the embedded real model.
 
 Default: fetch SmolLM2-135M-Instruct, decompose it (svd-llm, ratio 0.8, calibrated on text the
-model samples itself — no data needed), then answer two chat prompts at TP=3 in the DeInfer
-layout with the latent KV cache, printing the dense model's answer beside each.
+model samples itself — no data needed), heal it by distillation from the dense model on
+conversations the dense model writes (``heal``; both steps cached), then answer two chat
+prompts at TP=3 in the DeInfer layout with the latent KV cache, printing the decomposed, the
+healed and the dense model's answers side by side.
 
 ``--layouts``: the three layouts side by side on a small random LLaMA-shaped model
 (``llama-tiny``, a mixed model): the plan, the collectives each layout really issued, and the
@@ -13,7 +15,9 @@ multiplied out. With ``--json`` each layout's comparison is one JSON document (o
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -109,8 +113,42 @@ def _reference_logits(arch: Any, rank_config: Any, state: dict, ids: torch.Tenso
         return model(ids).logits
 
 
+def cache_is_current(manifest: Path) -> bool:
+    """Whether the cached decomposition was made by the allocator this code runs: a cache made
+    by an older one (which factored break-even matrices) is decomposed again, in place — the
+    folder is the demo's own, and ``--overwrite`` replaces only folders the project made."""
+    from deinfer_megatron.decompose.allocation import ALLOCATOR_VERSION
+
+    try:
+        return json.loads(manifest.read_text()).get("allocator") == ALLOCATOR_VERSION
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+HEAL_TOKENS = 16 * 4 * 256  # 16 steps of 4 windows: a few minutes on 2 cores, done once
+
+
+def _healed(dense: Any, decomposed: Any, seed: int) -> Any:
+    """The demo's decomposition healed by distillation from the dense model, on conversations
+    the dense model writes itself (no data needed); done once, then cached."""
+    from deinfer_megatron.checkpoints.embedded import cache_dir
+    from deinfer_megatron.checkpoints.folder import MANIFEST
+    from deinfer_megatron.healing.job import HealJob, run_heal
+    from deinfer_megatron.healing.state import state_dir
+
+    healed = cache_dir() / f"{decomposed.name}-healed"
+    if not cache_is_current(healed / MANIFEST):  # healed from an older decomposition: heal again
+        print(f"healing it: {HEAL_TOKENS:,} tokens of KL distillation from the dense model on conversations "
+              "it writes itself (done once, then cached)...")
+        run_heal(HealJob(model=decomposed, teacher=dense, out=healed, calib_self=32, tokens=HEAL_TOKENS,
+                         lr=2e-4, warmup=2, save_every=4, seed=seed, overwrite=True,
+                         resume=(state_dir(healed) / "job.json").is_file()))  # a killed demo continues
+    return healed
+
+
 def smollm2_demo(cfg: DemoConfig) -> int:
-    """Decompose the embedded model once (cached), then generate beside the dense model."""
+    """Decompose the embedded model once (cached), heal it (cached), then generate beside the
+    dense model."""
     from deinfer_megatron.checkpoints.embedded import cache_dir, fetch_model
     from deinfer_megatron.checkpoints.folder import MANIFEST
     from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
@@ -118,20 +156,24 @@ def smollm2_demo(cfg: DemoConfig) -> int:
 
     dense = fetch_model("smollm2-135m")
     decomposed = cache_dir() / "smollm2-135m-svd-llm-r0.8-self"
-    if not (decomposed / MANIFEST).is_file():
+    if not cache_is_current(decomposed / MANIFEST):
         print("decomposing SmolLM2-135M (svd-llm, ratio 0.8, calibrated on conversations the model "
               "writes itself; done once, then cached)...")
         run_decompose(DecomposeJob(dense, "svd-llm", ratio=0.8, allocation="variadic",
                                    calib_self=16, calib_seq_len=256, out=decomposed, seed=cfg.seed,
                                    overwrite=True))  # the project's own cache: an older run may be replaced
+    healed = _healed(dense, decomposed, cfg.seed)
     common = dict(prompts=DEMO_PROMPTS, max_new_tokens=cfg.max_new_tokens, chat=True)
-    print(f"generating at TP={cfg.tp}: DeInfer layout + latent KV cache, and the dense model...")
-    ours = run_generate(GenerateJob(model=decomposed, parallel=Parallelism(cfg.tp, layout=Layout.DEINFER),
-                                    cache=CacheOptions(CacheKind.LATENT), **common))
+    print(f"generating at TP={cfg.tp}: DeInfer layout + latent KV cache (decomposed, then healed), "
+          "and the dense model...")
+    deinfer = dict(parallel=Parallelism(cfg.tp, layout=Layout.DEINFER), cache=CacheOptions(CacheKind.LATENT))
+    ours = run_generate(GenerateJob(model=decomposed, **deinfer, **common))
+    mended = run_generate(GenerateJob(model=healed, **deinfer, **common))
     base = run_generate(GenerateJob(model=dense, parallel=Parallelism(cfg.tp, layout=Layout.DENSE), **common))
-    for mine, theirs in zip(ours["outputs"], base["outputs"]):
+    for mine, fixed, theirs in zip(ours["outputs"], mended["outputs"], base["outputs"]):
         print(f"\n### {mine['prompt']}")
         print(f"[decomposed, ratio 0.8, DeInfer, latent cache] {mine['text'].strip()}")
+        print(f"[healed (distilled), same layout and cache]    {fixed['text'].strip()}")
         print(f"[dense]                                        {theirs['text'].strip()}")
     print(f"\nKV cache per rank: decomposed {ours['kv_cache_bytes']:,} B "
           f"({ours['kv_bytes_per_token']} B/token) vs dense {base['kv_cache_bytes']:,} B "

@@ -17,7 +17,8 @@ import warnings
 from typing import Any, Sequence
 
 COMMANDS = ("fetch_cmd", "decompose_cmd", "plan_cmd", "eval_cmd", "generate_cmd", "demo_cmd", "bench_cmd",
-            "convert_cmd", "serve_cmd", "loadgen_cmd")
+            "convert_cmd", "serve_cmd", "loadgen_cmd",
+            "heal_cmd")
 
 
 

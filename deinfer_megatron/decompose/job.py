@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from deinfer_megatron.checkpoints.folder import RANK_CONFIG, is_project_folder, open_model, write_decomposed
-from deinfer_megatron.decompose.allocation import check_ratio
+from deinfer_megatron.decompose.allocation import ALLOCATOR_VERSION, check_ratio, layer_of, uniform_ranks
 from deinfer_megatron.decompose.calibration import self_dialogues, self_samples, text_windows
-from deinfer_megatron.decompose.run import Plan, decompose_model, decomposed_state
+from deinfer_megatron.decompose.run import Plan, decompose_model, decomposed_state, nothing_to_decompose
 from deinfer_megatron.files.staging import claim_output
 from deinfer_megatron.files.text import read_text
 from deinfer_megatron.arch.model import ModelArch, arch_from_hf_config, load_arch
@@ -173,6 +173,10 @@ def _validate(job: DecomposeJob) -> None:
             RankConfig.load(job.rank_config, arch)
         if job.layers is not None:
             parse_layers(job.layers, arch.num_layers)
+        if job.ratio is not None and job.allocation == "uniform":  # known before anything is loaded
+            layers = parse_layers(job.layers, arch.num_layers) if job.layers else None
+            if not uniform_ranks(arch, job.ratio, layers):
+                raise ValueError(nothing_to_decompose(job.ratio))
     claim_output(job.out or default_out(job), overwrite=job.overwrite, is_ours=is_project_folder,
                  inputs=(job.model,))
 
@@ -197,7 +201,13 @@ def run_decompose(job: DecomposeJob) -> Path:
     rank_config = RankConfig.from_mapping(ranks, arch)
     tensors = decomposed_state(model, factors, arch.tied_embeddings)
     shapes = arch.linear_shapes()
-    kept = sum(r * sum(shapes[n]) for n, r in ranks.items()) / max(1, sum(m * k for n, (m, k) in shapes.items() if n in ranks))
+    factored = sum(r * sum(shapes[n]) for n, r in ranks.items())
+    kept = factored / max(1, sum(m * k for n, (m, k) in shapes.items() if n in ranks))
+    # the ratio's budget: every matrix of the chosen layers, those kept dense at m·n
+    targeted = {n: s for n, s in shapes.items() if layer_of(arch, n) in layers or n in ranks}
+    dense = sorted(n for n in targeted if n not in ranks)
+    kept_all = (factored + sum(m * k for n, (m, k) in targeted.items() if n not in ranks)) / max(
+        1, sum(m * k for m, k in targeted.values()))
     out = job.out or default_out(job)
     write_decomposed(
         out,
@@ -216,8 +226,12 @@ def run_decompose(job: DecomposeJob) -> Path:
             "calibration": calib_info,
             "layers": sorted(layers),
             "kept_fraction_of_decomposed": round(kept, 6),
+            "kept_fraction": round(kept_all, 6),
+            "dense_matrices": len(dense),
+            "allocator": ALLOCATOR_VERSION,
             "source_model": str(job.model),
         },
     )
-    log.info("decomposed %d matrices in %.1f s → %s", len(ranks), time.perf_counter() - start, out)
+    log.info("decomposed %d matrices (%d kept dense) in %.1f s → %s", len(ranks), len(dense),
+             time.perf_counter() - start, out)
     return out

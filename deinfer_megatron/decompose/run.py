@@ -8,7 +8,9 @@ chosen method at its rank; (3) the decomposed layer produces the next layer's in
 ``sequential=False`` instead takes every statistic from the dense model (one-shot).
 
 Ranks come from a rank config, or from ``ratio`` with the uniform or variadic rule; the
-variadic rule first measures every matrix's truncation loss on the dense model.
+variadic rule first measures every matrix's truncation loss on the dense model. Either rule
+may keep whole blocks dense (decompose/allocation.py): their matrices are neither factorised
+nor changed, and are written as their original ``.weight``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from deinfer_megatron.decompose.allocation import uniform_rank, variadic_ranks
+from deinfer_megatron.decompose.allocation import BREAK_EVEN_FRACTION, blocks, layer_of, uniform_allocation, variadic_ranks
 from deinfer_megatron.decompose.calibration import InputStats, LayerRunner, capture, collect
 from deinfer_megatron.decompose.factorize import ASVD_ALPHA, prepare
 from deinfer_megatron.arch.model import ModelArch
@@ -94,15 +96,18 @@ def measure_losses(
 
 
 def allocate(plan: Plan, arch: ModelArch, losses: Callable[[], dict[str, torch.Tensor]]) -> dict[str, int]:
-    """The rank of every matrix to decompose."""
+    """The rank of every matrix to decompose; matrices of blocks kept dense are absent.
+
+    Explicit ranks (a rank config) are taken as given, even at break-even: the user chose them
+    (a full-rank decomposition is how losslessness is checked)."""
     if plan.ranks is not None:
         return dict(plan.ranks)
     assert plan.ratio is not None, "a plan without ranks has a ratio"
-    shapes = {n: s for n, s in arch.linear_shapes().items()
-              if int(n[len(arch.layer_prefix) + 1 :].split(".")[0]) in plan.layers}
+    shapes = {n: s for n, s in arch.linear_shapes().items() if layer_of(arch, n) in plan.layers}
+    groups = blocks(arch, shapes)
     if plan.allocation == "uniform":
-        return {n: uniform_rank(*s, plan.ratio) for n, s in shapes.items()}
-    return variadic_ranks(losses(), shapes, plan.ratio)
+        return uniform_allocation(shapes, groups, plan.ratio)
+    return variadic_ranks(losses(), shapes, plan.ratio, groups)
 
 
 def decompose_model(
@@ -120,6 +125,8 @@ def decompose_model(
             plan, arch,
             lambda: measure_losses(model, arch, plan.method, _targets(arch, plan), embed(), plan.asvd_alpha),
         )
+        if not ranks:
+            raise ValueError(nothing_to_decompose(plan.ratio))
         hidden = embed()
     modules = dict(model.named_modules())
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -148,6 +155,11 @@ def decompose_model(
             else:
                 hidden = next_hidden
     return ranks, factors
+
+
+def nothing_to_decompose(ratio: float | None) -> str:
+    return (f"--ratio {ratio:g} keeps every block dense (factors would hold at least "
+            f"{BREAK_EVEN_FRACTION:.0%} of the dense parameters): nothing to decompose; use a lower --ratio")
 
 
 def _targets(arch: ModelArch, plan: Plan) -> list[str]:

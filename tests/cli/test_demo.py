@@ -51,3 +51,19 @@ def test_the_printed_table_says_what_the_comparisons_say() -> None:
     bad = [*rows, LayoutParity(Layout.NAIVE, 2, 20, 900, 20, 900, 1e-3, True, 1e-4)]
     assert parity_table(bad, scale=0.5).splitlines()[-1].startswith("parity FAILED")
     assert [r.ok for r in bad] == [True, True, False]
+
+
+def test_a_cache_from_the_older_allocator_is_not_reused(tmp_path) -> None:
+    from deinfer_megatron.cli.demo_cmd import cache_is_current
+    from deinfer_megatron.decompose.allocation import ALLOCATOR_VERSION
+
+    manifest = tmp_path / "deinfer_manifest.json"
+    assert not cache_is_current(manifest), "no cache yet"
+    manifest.write_text(json.dumps({"format": 1, "method": "svd-llm", "files": {}}))  # before the field
+    assert not cache_is_current(manifest)
+    manifest.write_text(json.dumps({"allocator": ALLOCATOR_VERSION - 1}))
+    assert not cache_is_current(manifest)
+    manifest.write_text("{not json")
+    assert not cache_is_current(manifest)
+    manifest.write_text(json.dumps({"allocator": ALLOCATOR_VERSION}))
+    assert cache_is_current(manifest)

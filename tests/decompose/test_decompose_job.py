@@ -91,6 +91,7 @@ def test_folder_contents_and_integrity_checks(tmp_path: Path) -> None:
         (dict(method="svd-llm", ratio=0.5), r"needs calibration data: pass --calib-text"),
         (dict(method="svd", ratio=0.5, layers="0-9"), r"--layers '0-9' names layers outside 0\.\.3"),
         (dict(method="svd"), r"exactly one of --ratio R or --rank-config"),
+        (dict(method="svd", ratio=1.0), r"--ratio 1 keeps every block dense .* use a lower --ratio"),
     ],
 )
 def test_bad_decompose_inputs(job_kwargs: dict, message: str, tmp_path: Path) -> None:
@@ -136,13 +137,15 @@ def test_self_calibration_needs_no_text(chat: bool, tmp_path: Path) -> None:
     source = "self-dialogues:2" if chat else "self:2"
     assert manifest["calibration"] == {"source": source, "tokens": 64, "seq_len": 32}
     folder = open_model(out)
-    assert len(folder.rank_config.modules) == 4 * 7
-    # variadic keeps the uniform budget
+    ranks = folder.rank_config.modules
+    shapes = folder.arch.linear_shapes()
+    assert ranks and set(ranks) <= set(shapes)
+    # variadic keeps the uniform budget, the blocks it kept dense counted at m·n
     from deinfer_megatron.decompose.allocation import uniform_rank
 
-    shapes = folder.arch.linear_shapes()
-    spent = sum(r * sum(shapes[n]) for n, r in folder.rank_config.modules.items())
+    spent = sum(ranks[n] * sum(s) if n in ranks else s[0] * s[1] for n, s in shapes.items())
     assert spent <= sum(uniform_rank(*s, 0.6) * sum(s) for s in shapes.values())
+    assert manifest["dense_matrices"] == len(shapes) - len(ranks)
 
 
 def test_self_dialogues_follow_the_chat_template(tmp_path: Path) -> None:

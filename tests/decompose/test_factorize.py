@@ -1,11 +1,12 @@
-"""The factorisations and the rank allocation, against their defining formulas."""
+"""The factorisations and the uniform rank, against their defining formulas (the allocation:
+test_allocation.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from deinfer_megatron.decompose.allocation import uniform_rank, variadic_ranks
+from deinfer_megatron.decompose.allocation import uniform_rank
 from deinfer_megatron.decompose.factorize import prepare, whitening
 
 gen = torch.Generator().manual_seed(0)
@@ -57,21 +58,3 @@ def test_uniform_rank_formula() -> None:
     assert uniform_rank(4, 4, 0.01) == 1
     with pytest.raises(ValueError, match=r"--ratio must be in \(0, 1\]"):
         uniform_rank(4, 4, 1.5)
-
-
-def test_variadic_spends_the_uniform_budget_where_loss_is() -> None:
-    shapes = {f"model.layers.{i}.mlp.down_proj": (64, 64) for i in range(3)}
-    n = 64
-    decay = {0: 0.5, 1: 0.9, 2: 0.99}  # layer 2's spectrum decays slowest: it needs the most rank
-    losses = {}
-    for i, name in enumerate(shapes):
-        sigma2 = decay[i] ** torch.arange(n, dtype=torch.float64)
-        tail = sigma2.flip(0).cumsum(0).flip(0)
-        losses[name] = torch.cat([tail, torch.zeros(1, dtype=torch.float64)])
-    ranks = variadic_ranks(losses, shapes, 0.5)
-    budget = sum(uniform_rank(64, 64, 0.5) * 128 for _ in shapes)
-    assert sum(r * 128 for r in ranks.values()) <= budget
-    assert sum(r * 128 for r in ranks.values()) > budget - 128, "the budget is used up"
-    r0, r1, r2 = (ranks[f"model.layers.{i}.mlp.down_proj"] for i in range(3))
-    assert r0 < r1 < r2
-    assert r0 >= int(0.25 * uniform_rank(64, 64, 0.5)), "the floor holds"

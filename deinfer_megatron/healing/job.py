@@ -1,0 +1,236 @@
+"""The ``heal`` job: a decomposed folder and its dense teacher in, a healed decomposed folder out.
+
+Everything a user can get wrong is checked before a model is loaded (paths, budget, output,
+teacher/student mismatch). The healed folder is written like ``decompose`` writes one
+(``checkpoints.folder.write_decomposed``: staged, manifest last, one rename), with the
+decomposition's manifest entries kept and a ``healing`` entry added, so every command that
+reads a decomposed folder reads it unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from deinfer_megatron.arch.model import load_arch
+from deinfer_megatron.checkpoints.folder import MANIFEST, RANK_CONFIG, is_project_folder, open_model, write_decomposed
+from deinfer_megatron.files.staging import claim_output
+from deinfer_megatron.files.text import read_text
+from deinfer_megatron.healing import state as run_state
+from deinfer_megatron.healing.data import HealData, build_data
+from deinfer_megatron.healing.loop import DISTILL, LoopSettings, train
+from deinfer_megatron.healing.watch import HeldOut
+from deinfer_megatron.healing.student import TRAINABLE, load_student, load_teacher, student_tensors, tokenizer_fingerprint
+
+log = logging.getLogger(__name__)
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class HealJob:
+    model: Path
+    teacher: Path
+    out: Path
+    calib_text: tuple[Path, ...] = ()
+    calib_self: int | None = None
+    tokens: int | None = None
+    minutes: float | None = None
+    lr: float = 1e-4
+    warmup: int = 10
+    batch: int = 4
+    seq_len: int = 256
+    train: str = "factors"
+    ce_weight: float = 0.0
+    distill: str = "logits"
+    dtype: str = "float32"
+    save_every: int = 0
+    resume: bool = False
+    json_log: Path | None = None
+    seed: int = 0
+    max_text_tokens: int = 200_000  # per text file
+    eval_text: tuple[Path, ...] = ()  # held-out perplexity during healing (the curve)
+    eval_every: int = 0
+    eval_tokens: int = 2048
+    overwrite: bool = False  # Python API only (the demo's cache): replace an --out this project wrote
+
+    def settings(self) -> dict[str, Any]:
+        """What a resume must repeat (JSON-comparable)."""
+        d = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()
+             if k not in ("resume", "json_log", "save_every", "eval_text", "eval_every", "eval_tokens",
+                          "overwrite")}
+        d["calib_text"] = [str(p) for p in self.calib_text]
+        return d
+
+    def loop_settings(self) -> LoopSettings:
+        steps = None if self.tokens is None else math.ceil(self.tokens / (self.batch * self.seq_len))
+        return LoopSettings(self.lr, self.warmup, self.batch, self.seq_len, steps,
+                            None if self.minutes is None else self.minutes * 60, ce_weight=self.ce_weight,
+                            seed=self.seed, save_every=self.save_every, bf16=self.dtype == "bfloat16",
+                            distill=self.distill, eval_every=self.eval_every)
+
+
+def _check_numbers(job: HealJob) -> None:
+    if (job.tokens is None) == (job.minutes is None):
+        raise ValueError("give exactly one budget: --tokens N or --minutes M")
+    if job.tokens is not None and job.tokens <= 0:
+        raise ValueError(f"--tokens must be a positive number of tokens, got {job.tokens}")
+    if job.minutes is not None and not job.minutes > 0:
+        raise ValueError(f"--minutes must be > 0, got {job.minutes}")
+    for flag, value in (("--batch", job.batch), ("--seq-len", job.seq_len)):
+        if value < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {value}")
+    if not job.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {job.lr}")
+    if job.warmup < 0 or job.save_every < 0 or job.eval_every < 0:
+        raise ValueError("--warmup, --save-every and --eval-every must be ≥ 0")
+    if job.eval_tokens < 2:
+        raise ValueError(f"--eval-tokens must be at least 2, got {job.eval_tokens}")
+    overlap = set(map(Path.resolve, job.eval_text)) & set(map(Path.resolve, job.calib_text))
+    if overlap:
+        raise ValueError(f"--eval-text {sorted(overlap)[0]} is also healing data; held-out text must not be")
+    if job.ce_weight < 0:
+        raise ValueError(f"--ce-weight must be ≥ 0, got {job.ce_weight}")
+    if job.train not in TRAINABLE:
+        raise ValueError(f"unknown --train {job.train!r}; choose one of {', '.join(TRAINABLE)}")
+    if job.distill not in DISTILL:
+        raise ValueError(f"unknown --distill {job.distill!r}; choose one of {', '.join(DISTILL)}")
+    if job.dtype not in DTYPES:
+        raise ValueError(f"unknown --dtype {job.dtype!r}; choose float32 or bfloat16")
+    if not job.calib_text and not job.calib_self:
+        raise ValueError("heal needs data: pass --calib-text FILE (one or more) and/or --calib-self N")
+    if job.calib_self is not None and job.calib_self < 1:
+        raise ValueError(f"--calib-self must be a positive number of conversations, got {job.calib_self}")
+
+
+def _check_models(job: HealJob) -> None:
+    for flag, path in (("--model", job.model), ("--teacher", job.teacher)):
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{flag} {path} is not a model folder (no config.json)")
+    if not (job.model / RANK_CONFIG).is_file():
+        raise ValueError(f"--model {job.model} is not decomposed (no {RANK_CONFIG}); heal a folder "
+                         "written by `deinfer-megatron decompose`")
+    if (job.teacher / RANK_CONFIG).is_file():
+        raise ValueError(f"--teacher {job.teacher} is itself decomposed; the teacher is the dense model "
+                         "the student was decomposed from")
+    student, teacher = load_arch(job.model), load_arch(job.teacher)
+    if student != teacher:
+        field = next(k for k in asdict(student) if asdict(student)[k] != asdict(teacher)[k])
+        raise ValueError(f"--model and --teacher are different architectures ({field}: "
+                         f"{asdict(student)[field]} vs {asdict(teacher)[field]}); give the dense model "
+                         "the student was decomposed from")
+    if tokenizer_fingerprint(job.model) != tokenizer_fingerprint(job.teacher):
+        raise ValueError("--model and --teacher have different tokenizers (tokenizer.json differs); "
+                         "give the dense model the student was decomposed from")
+
+
+def _check_output(job: HealJob) -> Path:
+    folder = run_state.state_dir(job.out)
+    if job.out.exists() and not (job.overwrite and is_project_folder(job.out)):
+        raise ValueError(f"--out {job.out} exists; choose another --out (--resume continues a killed "
+                         f"run, whose state is in {folder}, not a finished one)")
+    claim_output(job.out, overwrite=job.overwrite, is_ours=is_project_folder, inputs=(job.model, job.teacher))
+    resumable = (folder / "job.json").is_file()  # written last when a run starts; before it, nothing to keep
+    if job.resume and not resumable:
+        raise ValueError(f"--resume: there is no killed run to continue (no {folder / 'job.json'}); "
+                         "run without --resume")
+    if not job.resume and resumable:
+        raise ValueError(f"{folder} holds the state of a killed heal into {job.out}; pass --resume to "
+                         "continue it, or remove that folder to start over")
+    if job.resume:
+        run_state.check_same_job(folder, job.settings())
+    if job.json_log is not None and job.json_log.exists() and not job.resume:
+        raise ValueError(f"--json {job.json_log} exists; choose another log file")
+    return folder
+
+
+def validate(job: HealJob) -> Path:
+    """Every check that needs no model loaded; returns the run's state folder."""
+    _check_numbers(job)
+    _check_models(job)
+    for flag, paths in (("--calib-text", job.calib_text), ("--eval-text", job.eval_text)):
+        for path in paths:
+            read_text(path, flag, max_chars=1000)
+    return _check_output(job)
+
+
+def _data(job: HealJob, folder: Path, teacher: torch.nn.Module) -> HealData:
+    if job.resume:
+        saved = run_state.load_torch(folder / "data.pt")
+        return HealData(saved["windows"], saved["sources"])
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(job.teacher)
+    data = build_data(tokenizer, teacher, job.calib_text, job.calib_self, seq_len=job.seq_len,
+                      max_text_tokens=job.max_text_tokens, seed=job.seed)
+    folder.mkdir(parents=True, exist_ok=True)  # a run killed before its job.json left at most data.pt
+    run_state.save_torch(folder / "data.pt", {"windows": data.windows, "sources": data.sources})
+    run_state.save_json(folder / "job.json", job.settings())  # last: its presence means resumable
+    return data
+
+
+def run_heal(job: HealJob, on_record: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Heal ``job.model`` and write ``job.out``; returns a summary (also in the manifest)."""
+    folder = validate(job)
+    torch.manual_seed(job.seed)
+    start_time = time.perf_counter()
+    dec = open_model(job.model)
+    teacher = load_teacher(job.teacher)
+    data = _data(job, folder, teacher)
+    student, names = load_student(dec, job.train)
+    start = run_state.load_torch(folder / "state.pt") if job.resume and (folder / "state.pt").is_file() else None
+    held_out = evaluate = teacher_eval = None
+    if job.eval_text:
+        import transformers
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(job.teacher)
+        held_out = HeldOut(tokenizer, job.eval_text, window=min(job.seq_len, dec.arch.max_positions),
+                           max_tokens=job.eval_tokens)
+        teacher_eval = held_out.perplexity(teacher)
+        evaluate = held_out.perplexity
+    log_file = None
+    if job.json_log is not None:
+        log_file = open(job.json_log, "w", encoding="utf-8")
+        for record in (start or {}).get("records", []):
+            log_file.write(json.dumps(record) + "\n")
+    try:
+        records = train(student, teacher, names, data, job.loop_settings(), state_folder=folder, start=start,
+                        log=log_file, on_record=on_record, evaluate=evaluate)
+    finally:
+        if log_file is not None:
+            log_file.close()
+    steps = records[-1]["step"] if records else 0
+    kl = [r["kl"] for r in records if "kl" in r]
+    tail = kl[-min(10, len(kl)):]
+    summary = {
+        "teacher": str(job.teacher), "student": str(job.model),
+        "data": data.sources, "windows": data.count, "seq_len": job.seq_len,
+        "steps": steps, "tokens": steps * job.batch * job.seq_len,
+        "distill": job.distill,
+        "final_kl": sum(tail) / len(tail) if tail else None,  # the mean of the last 10 logit steps
+        "first_kl": kl[0] if kl else None,
+        "final_loss": records[-1]["loss"] if records else None,
+        "train": job.train, "lr": job.lr, "warmup": job.warmup, "batch": job.batch, "dtype": job.dtype,
+        "ce_weight": job.ce_weight, "seed": job.seed,
+        "heal_seconds": round(records[-1]["elapsed_s"], 1) if records else 0.0,
+    }
+    if teacher_eval is not None:
+        evals = [r for r in records if "eval" in r]
+        summary["eval"] = {"teacher": teacher_eval, "before": evals[0]["eval"], "after": evals[-1]["eval"],
+                           "tokens": job.eval_tokens}
+    base = dict(dec.manifest or {})
+    base.pop("files", None)
+    base.pop("format", None)
+    write_decomposed(job.out, config=json.loads((job.model / "config.json").read_text()),
+                     tensors=student_tensors(student, dec.arch.tied_embeddings), rank_config=dec.rank_config,
+                     tokenizer_dir=job.model, inputs=(job.model, job.teacher), overwrite=job.overwrite,
+                     metadata={**base, "healing": summary})
+    run_state.remove(folder)
+    log.info("healed %d steps in %.1f s → %s", steps, time.perf_counter() - start_time, job.out)
+    return summary

@@ -1,0 +1,82 @@
+"""``deinfer-megatron heal`` as a user runs it: killed and resumed it ends with the weights of
+an uninterrupted run, bit for bit; bad input is one line and leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from deinfer_megatron.cli.main import run
+from deinfer_megatron.files.failpoints import ENV
+from deinfer_megatron.healing.state import state_dir
+from tests.helpers.healing import HealPair, heal_pair
+from tests.robustness.harness import run_cli
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> HealPair:
+    return heal_pair(tmp_path_factory.mktemp("heal-pair"))
+
+
+def _heal_args(pair, out: Path, *extra: str) -> list[str]:
+    return ["heal", "--model", str(pair.dec), "--teacher", str(pair.dense), "--calib-text", str(pair.heal_text),
+            "--tokens", str(6 * 2 * 32), "--batch", "2", "--seq-len", "32", "--lr", "3e-3", "--warmup", "2",
+            "--save-every", "2", "--out", str(out), *extra]
+
+
+def test_resume_after_a_kill_ends_with_the_uninterrupted_weights(pair, tmp_path) -> None:
+    whole = run_cli(*_heal_args(pair, tmp_path / "whole"), tmp=tmp_path)
+    assert whole.code == 0, whole.stderr[-2000:]
+    out, log = tmp_path / "resumed", tmp_path / "log.jsonl"
+    killed = run_cli(*_heal_args(pair, out, "--json", str(log)), tmp=tmp_path, env={ENV: "heal.after-checkpoint"})
+    assert killed.code == -9, killed.stderr[-2000:]
+    assert not out.exists() and (state_dir(out) / "state.pt").is_file()  # nothing published, state kept
+    resumed = run_cli(*_heal_args(pair, out, "--json", str(log), "--resume"), tmp=tmp_path)
+    assert resumed.code == 0, resumed.stderr[-2000:]
+    a, b = load_file(str(tmp_path / "whole" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert a.keys() == b.keys()
+    assert all(a[k].equal(b[k]) for k in a), [k for k in a if not a[k].equal(b[k])][:5]
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(1, 7))
+    assert not state_dir(out).exists()  # removed once the healed folder is published
+
+
+def _one_line_error(capsys, args: list[str], *needles: str) -> None:
+    assert run(args) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "error:" in err[0], err
+    for needle in needles:
+        assert needle in err[0], (needle, err[0])
+
+
+def test_bad_inputs_are_one_line_and_write_nothing(pair, tmp_path, capsys) -> None:
+    from tests.helpers.tiny_models import save_tiny_folder
+
+    out = tmp_path / "out"
+    other_arch = tmp_path / "wider"
+    save_tiny_folder("llama", other_arch, num_hidden_layers=3)
+    other_tok = tmp_path / "other-tokenizer"
+    shutil.copytree(pair.dense, other_tok)
+    tok = json.loads((other_tok / "tokenizer.json").read_text())
+    tok["added_tokens"] = tok["added_tokens"][:-1]
+    (other_tok / "tokenizer.json").write_text(json.dumps(tok))
+    base = _heal_args(pair, out)
+
+    def with_(flag: str, value: str | None) -> list[str]:
+        args = list(base)
+        i = args.index(flag)
+        return args[:i] + args[i + 2:] + ([flag, value] if value is not None else [])
+
+    _one_line_error(capsys, with_("--teacher", str(pair.dec)), "--teacher", "itself decomposed")
+    _one_line_error(capsys, with_("--teacher", str(other_arch)), "different architectures", "num_layers")
+    _one_line_error(capsys, with_("--teacher", str(other_tok)), "different tokenizers")
+    _one_line_error(capsys, with_("--model", str(pair.dense)), "is not decomposed")
+    _one_line_error(capsys, with_("--tokens", "0"), "--tokens must be a positive")
+    _one_line_error(capsys, [*base, "--resume"], "--resume", "no killed run")
+    out.mkdir()
+    _one_line_error(capsys, base, "--out", "exists")
+    out.rmdir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other-tokenizer", "wider"]  # nothing written
