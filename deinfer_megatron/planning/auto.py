@@ -40,7 +40,7 @@ class Workload:
     batch: int = 1
     context: int = 128
     dtype: str = "float32"
-    latent_cache: bool = False  # attention blocks must then keep whole latents (or be dense)
+    latent_cache: bool = False  # decomposed attention blocks must then keep whole latents
 
     @property
     def dtype_bytes(self) -> int:
@@ -86,8 +86,8 @@ def block_seconds(table: CostTable, cost: Cost, work: Workload, *, kv_bytes_per_
 def _allowed(layout: Layout, block: str, ranks: Any, arch: ModelArch, work: Workload) -> bool:
     if block == "attention" and layout is Layout.DENSE and arch.num_kv_heads < work.tp:
         return False  # Megatron's dense attention needs a KV head per rank
-    if block == "attention" and work.latent_cache and ranks is not None and not layout.multiplies_out:
-        return layout.supports_latent_cache
+    if block == "attention" and work.latent_cache and ranks is not None:
+        return layout.supports_latent_cache  # --kv-cache latent: latents of every decomposed attention
     return True
 
 

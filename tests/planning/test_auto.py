@@ -86,12 +86,14 @@ def test_auto_takes_the_cheapest_layout_of_every_block(table, expected) -> None:
         assert choice.step_seconds < choice.fixed_step_seconds(layout), layout
 
 
-def test_latent_cache_keeps_naive_off_attention() -> None:
+def test_latent_cache_keeps_every_decomposed_attention_in_deinfer() -> None:
+    """Without the latent cache, params-only picks naive (layer 0) and dense (layer 2) for
+    attention; ``--kv-cache latent`` asks for whole latents, which only DeInfer keeps."""
     arch = arch_from_hf_config(CFG)
     ranks = RankConfig.from_mapping(_ranks(), arch)
     choice = choose_layouts(arch, ranks, Workload(tp=2, batch=8, context=64, latent_cache=True), params_only())
-    assert choice.plan.layers[0].attention.value != "naive"  # naive would be cheapest without the latent cache
-    assert choice.plan.layers[0].mlp.value == "naive"
+    assert [b.attention.value for b in choice.plan.layers] == ["deinfer", "dense", "deinfer", "dense"]
+    assert [b.mlp.value for b in choice.plan.layers] == [expected_by_params(i, MLP, 2) for i in range(4)]
     assert choice.plan.supports_latent_cache
 
 
