@@ -176,6 +176,8 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
     groups = init_parallel(par.tp, par.pp, collectives=par.collectives)
     try:
         stage = load_folder(job.model, par.layout, groups, dtype=job.dtype.torch, verify=False)  # prepare() verified
+        if stage.layout.value == AUTO:  # logged by the ranks: a command that fails earlier prints one line
+            log.info("--layout auto: %s", describe_plan(stage.layout))
         tokens = slot_length(
             max(map(len, prompt_ids)) + job.max_new_tokens, max_positions=stage.arch.max_positions,
             bytes_per_token=kv_bytes_per_token(stage, cache.kind), slots=len(prompt_ids),
@@ -253,10 +255,7 @@ def resolve_layout(job: GenerateJob, prompt_ids: list[list[int]]) -> GenerateJob
     work = Workload(tp=job.parallel.tp, batch=len(prompt_ids),
                     context=max(map(len, prompt_ids)) + job.max_new_tokens, dtype=job.dtype.value,
                     latent_cache=job.cache.kind is CacheKind.LATENT)
-    choice = auto_plan(arch, ranks, work)
-    log.info("--layout auto: %s (predicted decode step %.3f ms)",
-             describe_plan(choice.plan), 1e3 * choice.step_seconds)
-    return replace(job, parallel=replace(job.parallel, layout=choice.plan))
+    return replace(job, parallel=replace(job.parallel, layout=auto_plan(arch, ranks, work).plan))
 
 
 def describe_plan(plan: Any) -> str:

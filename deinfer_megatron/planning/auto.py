@@ -93,6 +93,9 @@ def _allowed(layout: Layout, block: str, ranks: Any, arch: ModelArch, work: Work
 
 def choose_layouts(arch: ModelArch, rank_config: RankConfig, work: Workload, table: CostTable) -> AutoChoice:
     """Price every candidate for every block and keep the cheapest (see the module docstring)."""
+    from deinfer_megatron.models.build import check_parallel_sizes
+
+    check_parallel_sizes(arch, work.tp, 1)  # a TP size that does not split the heads: its own message
     config = transformer_config(arch, tp=work.tp, pp=1)
     chosen: list[BlockLayouts] = []
     seconds: list[dict[str, dict[str, float]]] = []
