@@ -87,8 +87,9 @@ def test_auto_shows_the_choice_per_block_and_the_predicted_step(model_dir, tmp_p
     assert "naive/dense" in out and "dense/dense" in out and "predicted decode step" in out
 
 
-def test_cost_table_needs_auto(model_dir, tmp_path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "deinfer_megatron.cli.main", "plan", "--model", str(model_dir),
-                           "--layout", "naive", "--cost-table", str(tmp_path / "t.json")],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--cost-table is read by --layout auto only" in proc.stderr.strip()
+def test_cost_table_needs_auto(model_dir, tmp_path, capsys) -> None:
+    assert run(["plan", "--model", str(model_dir), "--layout", "naive", "--cost-table", str(tmp_path / "t.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--cost-table is read by --layout auto only" in err[0]
+    assert run(["plan", "--model", str(model_dir), "--layout", "auto", "--cost-table", str(tmp_path / "t.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
