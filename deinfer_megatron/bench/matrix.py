@@ -20,9 +20,9 @@ import torch
 from deinfer_megatron.bench.records import Cell, CellRecord, CellStatus, PlanTotals, RankMeasurement
 from deinfer_megatron.bench.sources import ModelSource
 from deinfer_megatron.layers.kv_cache import CacheKind
-from deinfer_megatron.specs.layout import Layout
+from deinfer_megatron.specs.layout import AUTO, Layout, LayoutPlan
 
-LAYOUTS: tuple[Layout, ...] = tuple(Layout)
+LAYOUTS: tuple[Layout | str, ...] = (AUTO, *Layout)  # auto: the cost model's plan per cell
 KV_CACHES: tuple[CacheKind, ...] = tuple(CacheKind)
 
 
@@ -33,7 +33,7 @@ class BenchGrid:
     model: Path | None = None
     synthetic: str | None = None
     ratio: float = 0.6
-    layouts: tuple[Layout, ...] = LAYOUTS
+    layouts: tuple[Layout | str, ...] = LAYOUTS
     kv_caches: tuple[CacheKind, ...] = (CacheKind.FULL,)
     tps: tuple[int, ...] = (1, 2)
     batches: tuple[int, ...] = (1, 8, 32)
@@ -67,7 +67,7 @@ class BenchConfig:
         g, o = self.grid, self.outputs
         path = lambda p: None if p is None else str(p)  # noqa: E731
         return {"model": path(g.model), "synthetic": g.synthetic, "ratio": g.ratio,
-                "layouts": [l.value for l in g.layouts], "kv_caches": [k.value for k in g.kv_caches],
+                "layouts": [getattr(l, "value", l) for l in g.layouts], "kv_caches": [k.value for k in g.kv_caches],
                 "tps": list(g.tps), "batches": list(g.batches), "prompt_lens": list(g.prompt_lens),
                 "gen_len": g.gen_len, "repeats": g.repeats, "seed": g.seed, "json": path(o.json),
                 "markdown": path(o.markdown), "plot": path(o.plot), "roofline": g.roofline,
@@ -87,7 +87,7 @@ def check_config(cfg: BenchConfig) -> None:
         check_ratio(grid.ratio)
     for flag, values, allowed in (("--layouts", grid.layouts, LAYOUTS), ("--kv-cache", grid.kv_caches, KV_CACHES)):
         if not values:
-            raise ValueError(f"{flag} needs at least one of {','.join(m.value for m in allowed)}")
+            raise ValueError(f"{flag} needs at least one of {','.join(getattr(m, 'value', m) for m in allowed)}")
     for flag, ints in (("--tp", grid.tps), ("--batch", grid.batches), ("--prompt-len", grid.prompt_lens)):
         if not ints:
             raise ValueError(f"{flag} needs at least one positive integer, e.g. {flag} 1,2")
@@ -130,11 +130,24 @@ def random_prompts(vocab: int, batch: int, prompt_len: int, seed: int) -> tuple[
     return tuple(tuple(row) for row in ids.tolist())
 
 
-def plan_totals(cell: Cell, source: ModelSource) -> PlanTotals:
+def cell_layout(cell: Cell, source: ModelSource, gen_len: int = 32) -> Layout | LayoutPlan:
+    """The layout the cell's ranks build: its fixed layout, or for ``auto`` the cost model's
+    plan for the cell's TP, batch, context (prompt + new tokens) and KV cache on this host."""
+    if cell.layout != AUTO:
+        return cell.layout
+    from deinfer_megatron.planning.auto import Workload, auto_plan
+
+    work = Workload(tp=cell.tp, batch=cell.batch, context=cell.prompt_len + gen_len,
+                    latent_cache=cell.kv_cache is CacheKind.LATENT)
+    return auto_plan(source.arch, source.rank_config, work).plan
+
+
+def plan_totals(cell: Cell, source: ModelSource, gen_len: int = 32) -> PlanTotals:
     """The planner's per-token totals for this cell (ValueError when the layout cannot run)."""
     from deinfer_megatron.planning.plan import make_plan
 
-    plan = make_plan(source.arch, source.rank_config, cell.layout, tp=cell.tp, batch=cell.batch)
+    plan = make_plan(source.arch, source.rank_config, cell_layout(cell, source, gen_len), tp=cell.tp,
+                     batch=cell.batch)
     t = plan.totals
     return PlanTotals(t["collectives_per_token"], t["elements_per_token"], t["params_per_rank"],
                       t["kv_bytes_per_token"][cell.kv_cache.value],
@@ -151,7 +164,8 @@ def run_cell(cell: Cell, source: ModelSource, grid: BenchGrid) -> list[RankMeasu
     from deinfer_megatron.bench.measure import CellJob, cell_worker
     from deinfer_megatron.launch.local import spawn_local
 
-    job = CellJob(source.folder_for(cell.layout), cell.layout, cell.kv_cache, cell.tp, cell.batch,
+    layout = cell_layout(cell, source, grid.gen_len)
+    job = CellJob(source.folder_for(layout), layout, cell.kv_cache, cell.tp, cell.batch,
                   cell.prompt_len, grid.gen_len, grid.repeats,
                   random_prompts(source.arch.vocab_size, cell.batch, cell.prompt_len, grid.seed))
     return spawn_local(cell.tp, cell_worker, job, timeout=grid.cell_timeout_s)
@@ -175,7 +189,7 @@ def run_matrix(grid: BenchGrid, source: ModelSource, runner: Runner = run_cell, 
         if reason is not None:
             records.append(CellRecord(**head, status=CellStatus.SKIPPED, reason=reason))
             continue
-        plan = plan_totals(cell, source)
+        plan = plan_totals(cell, source, grid.gen_len)
         start = time.perf_counter()
         try:
             ranks = runner(cell, source, grid)

@@ -22,7 +22,7 @@ from typing import Any
 from deinfer_megatron.bench.records import DecodeStepComm, RankMeasurement, Sample
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.parallel.collectives import Collectives
-from deinfer_megatron.specs.layout import Layout
+from deinfer_megatron.specs.layout import Layout, LayoutPlan
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class CellJob:
     """One configuration, as handed to every rank (picklable)."""
 
     folder: Path
-    layout: Layout
+    layout: Layout | LayoutPlan  # ``auto`` cells come resolved (``matrix.cell_layout``)
     kv_cache: CacheKind
     tp: int
     batch: int

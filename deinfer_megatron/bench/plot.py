@@ -9,9 +9,10 @@ import io
 from deinfer_megatron.bench.records import CellRecord, CellStatus
 from deinfer_megatron.bench.report import BenchDocument
 from deinfer_megatron.layers.kv_cache import CacheKind
-from deinfer_megatron.specs.layout import Layout
+from deinfer_megatron.specs.layout import AUTO, Layout
 
-STYLE = {Layout.DENSE: ("tab:gray", "s"), Layout.NAIVE: ("tab:red", "v"), Layout.DEINFER: ("tab:blue", "o")}
+STYLE = {Layout.DENSE: ("tab:gray", "s"), Layout.NAIVE: ("tab:red", "v"), Layout.DEINFER: ("tab:blue", "o"),
+         AUTO: ("tab:green", "D")}
 
 Series = dict[tuple[Layout, CacheKind, int], list[tuple[int, float]]]  # (layout, kv, ctx) → (batch, tok/s)
 
@@ -29,8 +30,8 @@ def _series(records: tuple[CellRecord, ...], tp: int) -> Series:
     return {k: sorted(v) for k, v in lines.items()}
 
 
-def _label(layout: Layout, kv: CacheKind, ctx: int, several_ctx: bool) -> str:
-    label = layout.value + ("" if kv is CacheKind.FULL else f" ({kv.value} KV)")
+def _label(layout: Layout | str, kv: CacheKind, ctx: int, several_ctx: bool) -> str:
+    label = getattr(layout, "value", layout) + ("" if kv is CacheKind.FULL else f" ({kv.value} KV)")
     return label + (f" ctx={ctx}" if several_ctx else "")
 
 

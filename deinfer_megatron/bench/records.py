@@ -27,17 +27,21 @@ class CellStatus(str, Enum):
 class Cell:
     """One point of the grid: (layout, KV cache, TP, batch, prompt length)."""
 
-    layout: Layout
+    layout: Layout | str  # a fixed layout, or "auto" (resolved per cell by the cost model)
     kv_cache: CacheKind
     tp: int
     batch: int
     prompt_len: int
 
+    @property
+    def layout_name(self) -> str:
+        return self.layout.value if isinstance(self.layout, Layout) else str(self.layout)
+
     def label(self) -> str:
-        return f"{self.layout.value}/{self.kv_cache.value} tp={self.tp} b={self.batch} ctx={self.prompt_len}"
+        return f"{self.layout_name}/{self.kv_cache.value} tp={self.tp} b={self.batch} ctx={self.prompt_len}"
 
     def to_json(self) -> dict[str, Any]:
-        return {"layout": self.layout.value, "kv_cache": self.kv_cache.value, "tp": self.tp,
+        return {"layout": self.layout_name, "kv_cache": self.kv_cache.value, "tp": self.tp,
                 "batch": self.batch, "prompt_len": self.prompt_len}
 
 

@@ -135,7 +135,7 @@ _COLUMNS = ("layout", "kv", "tp", "batch", "ctx", "TTFT ms", "TPOT ms", "decode 
 
 def _row(rec: CellRecord) -> list[str]:
     c = rec.cell
-    head = [c.layout.value, c.kv_cache.value, str(c.tp), str(c.batch), str(c.prompt_len)]
+    head = [c.layout_name, c.kv_cache.value, str(c.tp), str(c.batch), str(c.prompt_len)]
     if rec.status is not CellStatus.OK or rec.summary is None:
         note = rec.reason or rec.error or ""
         return head + [f"{rec.status.value}: {note}"]

@@ -22,7 +22,7 @@ import torch
 from deinfer_megatron.arch.model import ModelArch
 from deinfer_megatron.generation.options import latent_cache_layouts
 from deinfer_megatron.layers.kv_cache import CacheKind
-from deinfer_megatron.specs.layout import Layout
+from deinfer_megatron.specs.layout import AUTO, Layout, LayoutPlan
 from deinfer_megatron.specs.rank_config import RankConfig
 
 
@@ -36,14 +36,18 @@ class ModelSource:
     decomposed_dir: Path | None
     dense_dir: Path  # what the dense layout loads (a decomposed folder is multiplied out)
 
-    def folder_for(self, layout: Layout) -> Path:
-        if layout.multiplies_out:
+    def folder_for(self, layout: Layout | LayoutPlan) -> Path:
+        if layout.multiplies_out or self.decomposed_dir is None:  # auto on a dense folder: all dense
             return self.dense_dir
         assert self.decomposed_dir is not None, "skip_reason() rules out factored layouts without factors"
         return self.decomposed_dir
 
-    def skip_reason(self, layout: Layout, kv_cache: CacheKind) -> str | None:
+    def skip_reason(self, layout: Layout | str, kv_cache: CacheKind) -> str | None:
         """Why a (layout, KV cache) pair does not apply to this model; None when it does."""
+        if layout == AUTO:
+            if kv_cache is CacheKind.LATENT and self.decomposed_dir is None:
+                return f"{self.name} is a dense folder; the latent KV cache needs a decomposed one"
+            return None
         if not layout.multiplies_out and self.decomposed_dir is None:
             return (f"{self.name} is a dense folder; the {layout.value} layout needs a decomposed one "
                     "(make it with `deinfer-megatron decompose`)")

@@ -108,9 +108,14 @@ def load_model_state(stage: Any, folder: str | Path, source_ranks: RankConfig) -
     """
     from deinfer_megatron.checkpoints.loader import MultipliedOut, load_stage
 
-    if stage.layout.multiplies_out and source_ranks.modules:
+    from deinfer_megatron.specs.layout import as_plan
+
+    # Blocks built dense (all under the dense layout, some under ``auto``) take U·V.
+    dense = as_plan(stage.layout, stage.arch.num_layers).dense_modules(stage.arch) & set(source_ranks.modules)
+    if dense:
         tensors = read_hf_tensors(folder, stage.arch, source_ranks)
-        load_stage(stage.model, MultipliedOut(tensors, source_ranks), stage.arch, stage.rank_config,
+        multiplied = RankConfig.from_mapping({n: source_ranks.modules[n] for n in dense}, stage.arch)
+        load_stage(stage.model, MultipliedOut(tensors, multiplied), stage.arch, stage.rank_config,
                    layer_offset=stage.layer_offset, num_local_layers=stage.num_local_layers)
         return
     if dict(source_ranks.modules) != dict(stage.rank_config.modules):

@@ -21,7 +21,7 @@ from typing import Any, Callable, TypeVar
 from deinfer_megatron.bench.matrix import BenchConfig, BenchGrid, BenchOutputs
 from deinfer_megatron.generation.options import latent_cache_layouts
 from deinfer_megatron.layers.kv_cache import CacheKind
-from deinfer_megatron.specs.layout import Layout
+from deinfer_megatron.specs.layout import Layout, layout_option_names, parse_layout_option
 
 E = TypeVar("E", bound=Enum)
 
@@ -39,6 +39,14 @@ def _ints(flag: str) -> Any:
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+
+
+def _layouts(values: tuple[str, ...]) -> tuple[Layout | str, ...]:
+    """``--layouts`` names: the fixed layouts and ``auto``."""
+    for v in values:
+        if v not in layout_option_names():
+            raise ValueError(f"--layouts: unknown value {v!r}; choose from {','.join(layout_option_names())}")
+    return tuple(parse_layout_option(v) for v in values)
 
 
 def _members(flag: str, values: tuple[str, ...], parse: Callable[[str], E], enum: type[E]) -> tuple[E, ...]:
@@ -59,8 +67,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--model", type=Path, help="model folder (dense: dense layout only; or decomposed)")
     src.add_argument("--synthetic", help="random LLaMA-shaped model: llama-tiny, llama-1b-shape, llama-7b-shape")
     p.add_argument("--ratio", type=float, help=f"--synthetic: parameters kept, uniform ranks (default {DEFAULT_RATIO})")
-    p.add_argument("--layouts", type=_names, default=tuple(m.value for m in Layout),
-                   help=f"default {','.join(m.value for m in Layout)}")
+    p.add_argument("--layouts", type=_names, default=tuple(layout_option_names()),
+                   help=f"default {','.join(layout_option_names())} (auto: the cost model's layout per block, per cell)")
     p.add_argument("--kv-cache", type=_names, default=(CacheKind.FULL.value,),
                    help=f"full,latent (latent: {latent_cache_layouts()} only)")
     p.add_argument("--tp", type=_ints("--tp"), default=(1, 2), help="default 1,2")
@@ -84,7 +92,7 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
                          "`deinfer-megatron decompose --ratio R` and bench the decomposed folder")
     grid = BenchGrid(
         model=a.model, synthetic=a.synthetic, ratio=DEFAULT_RATIO if a.ratio is None else a.ratio,
-        layouts=_members("--layouts", a.layouts, Layout.parse, Layout),
+        layouts=_layouts(a.layouts),
         kv_caches=_members("--kv-cache", a.kv_cache, CacheKind.parse, CacheKind),
         tps=a.tp, batches=a.batch, prompt_lens=a.prompt_len, gen_len=a.gen_len, repeats=a.repeats,
         seed=a.seed, roofline=a.roofline, cell_timeout_s=a.cell_timeout)

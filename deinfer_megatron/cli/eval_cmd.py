@@ -9,7 +9,7 @@ from pathlib import Path
 from deinfer_megatron.cli.arguments import names, parsed_by
 from deinfer_megatron.cli.output import emit_json
 from deinfer_megatron.evaluation.perplexity import PerplexityJob, evaluate
-from deinfer_megatron.specs.layout import Layout
+from deinfer_megatron.specs.layout import AUTO, Layout, layout_option_names, parse_layout_option
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--layout", type=parsed_by(Layout.parse), choices=names(Layout), default=Layout.DEINFER)
+    p.add_argument("--layout", type=parsed_by(parse_layout_option), choices=layout_option_names(), default=AUTO,
+                   help="auto (default): the fastest layout per block by this host's cost model "
+                        "(measured once, cached); or one fixed layout for every block")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="load a decomposed folder made elsewhere, without its manifest")
@@ -45,5 +47,5 @@ def main(cfg: EvalConfig) -> int:
         emit_json(result)
     else:
         print(f"perplexity {result['ppl']:.4f} over {result['tokens']} tokens in {result['windows']} "
-              f"windows ({job.layout.value}, TP={job.tp}, PP={job.pp})")
+              f"windows ({result['layout']}, TP={job.tp}, PP={job.pp})")
     return 0

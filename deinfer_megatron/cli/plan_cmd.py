@@ -6,13 +6,16 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from deinfer_megatron.checkpoints.folder import RANK_CONFIG, open_config
 from deinfer_megatron.cli.arguments import names, parsed_by
 from deinfer_megatron.cli.output import emit_json
-from deinfer_megatron.planning.plan import make_plan
+from deinfer_megatron.planning.auto import Workload, choose_layouts
+from deinfer_megatron.planning.cost_model import CostTable, host_table
+from deinfer_megatron.planning.plan import Plan, make_plan
 from deinfer_megatron.planning.report import format_plans
-from deinfer_megatron.specs.layout import Layout
+from deinfer_megatron.specs.layout import AUTO, Layout, layout_option_names, parse_layout_option
 from deinfer_megatron.specs.rank_config import RankConfig
 
 
@@ -23,11 +26,12 @@ class PlanConfig:
     rank_config: Path | None = None
     tp: int = 1
     pp: int = 1
-    layout: Layout | None = None
+    layout: Layout | str | None = None  # a Layout, "auto", or None: the fixed layouts side by side
     batch: int = 1
     seq: int = 1
     json: bool = False
     verify: bool = True
+    cost_table: Path | None = None  # --layout auto: a measured table instead of this host's
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,15 +40,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rank-config", type=Path, help=f"JSON ranks (default: MODEL/{RANK_CONFIG} if present)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--layout", type=parsed_by(Layout.parse), choices=names(Layout),
-                   help="default: all three side by side")
+    p.add_argument("--layout", type=parsed_by(parse_layout_option), choices=layout_option_names(),
+                   help="default: the three fixed layouts side by side; auto: the cost model's "
+                        "choice per block and the predicted decode step")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=1)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--cost-table", type=Path,
+                   help="with --layout auto: a cost table JSON (default: this host's, measured once and cached)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="read a decomposed folder made elsewhere, without its manifest")
     p.set_defaults(make_config=lambda a: PlanConfig(
-        a.model, a.rank_config, a.tp, a.pp, a.layout, a.batch, a.seq, a.json, a.verify), run=main)
+        a.model, a.rank_config, a.tp, a.pp, a.layout, a.batch, a.seq, a.json, a.verify, a.cost_table), run=main)
 
 
 def main(cfg: PlanConfig) -> int:
@@ -54,6 +61,15 @@ def main(cfg: PlanConfig) -> int:
     arch, ranks = open_config(cfg.model, verify=cfg.verify)  # config and rank config, verified
     if cfg.rank_config is not None:
         ranks = RankConfig.load(cfg.rank_config, arch)
+    if cfg.layout == AUTO:
+        plans = [auto_plan_with_prediction(arch, ranks, cfg)]
+        if cfg.json:
+            emit_json(plans[0].to_json(), indent=1)
+        else:
+            print(format_plans(plans))
+        return 0
+    if cfg.cost_table is not None:
+        raise ValueError("--cost-table is read by --layout auto only; add --layout auto or drop it")
     layouts = [cfg.layout] if cfg.layout else list(Layout)
     plans, skipped = [], []
     for layout in layouts:
@@ -73,3 +89,30 @@ def main(cfg: PlanConfig) -> int:
     else:
         print(format_plans(plans))
     return 0
+
+
+def load_table(path: Path) -> CostTable:
+    """A cost table from ``--cost-table``, trusted as given (the user chose it)."""
+    import json
+
+    try:
+        return CostTable.from_json(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise ValueError(f"--cost-table {path} does not exist") from None
+    except (ValueError, KeyError, TypeError, IndexError) as err:
+        raise ValueError(f"--cost-table {path} is not a cost table ({err}); write one with `plan --layout auto`'s cache") from None
+
+
+def auto_plan_with_prediction(arch: Any, ranks: RankConfig, cfg: PlanConfig) -> Plan:
+    """The plan of ``--layout auto`` with the cost model's predicted decode step (the chosen
+    plan's and every runnable fixed layout's) in its totals."""
+    table = load_table(cfg.cost_table) if cfg.cost_table is not None else host_table(tp=cfg.tp)
+    choice = choose_layouts(arch, ranks, Workload(tp=cfg.tp, batch=cfg.batch, context=cfg.seq), table)
+    plan = make_plan(arch, ranks, choice.plan, tp=cfg.tp, pp=cfg.pp, batch=cfg.batch, seq=cfg.seq)
+    predicted = {AUTO: choice.step_seconds}
+    for layout in Layout:
+        seconds = choice.fixed_step_seconds(layout)
+        if seconds is not None:
+            predicted[layout.value] = seconds
+    plan.totals["predicted_decode_step_s"] = predicted
+    return plan

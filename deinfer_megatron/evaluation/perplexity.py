@@ -9,7 +9,7 @@ rank 0 reports it whatever the pipeline layout.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -17,15 +17,16 @@ import torch.nn.functional as F
 
 from deinfer_megatron.files.text import read_text
 from deinfer_megatron.launch.run import run_on_ranks
-from deinfer_megatron.specs.layout import Layout
+from deinfer_megatron.specs.layout import AUTO, Layout, LayoutPlan, parse_layout_option
 
 
 @dataclass(frozen=True)
 class PerplexityJob:
     """Perplexity of ``model`` over the first ``max_tokens`` tokens of ``text``, cut into windows.
 
-    ``layout`` is parsed on construction (``Layout.parse``; a ``Layout`` passes unchanged), so a
-    job built in Python may name it.
+    ``layout`` is parsed on construction (``parse_layout_option``; a ``Layout`` passes
+    unchanged), so a job built in Python may name it; ``"auto"`` is resolved by the cost model
+    for ``batch`` windows of ``window`` tokens before the ranks start.
     """
 
     model: Path
@@ -34,12 +35,12 @@ class PerplexityJob:
     window: int = 512
     tp: int = 1
     pp: int = 1
-    layout: Layout = Layout.DEINFER
+    layout: Layout | LayoutPlan | str = Layout.DEINFER
     batch: int = 4
     verify: bool = True  # False: a decomposed folder without its manifest (--no-verify)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "layout", Layout.parse(self.layout))
+        object.__setattr__(self, "layout", parse_layout_option(self.layout))
 
 
 def token_windows(model: Path, text: Path, max_tokens: int, window: int) -> torch.Tensor:
@@ -99,6 +100,13 @@ def evaluate(job: PerplexityJob) -> dict | None:
                          f"{arch.max_positions} tokens; use --window {arch.max_positions} or less")
     if job.max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {job.max_tokens}")
+    if job.layout == AUTO:
+        from deinfer_megatron.planning.auto import Workload, auto_plan
+
+        # A perplexity pass is one forward of batch × window tokens: priced as that many tokens
+        # through the weights, each attending to about a window of context.
+        work = Workload(tp=job.tp, batch=job.batch * job.window, context=job.window)
+        job = replace(job, layout=auto_plan(arch, ranks, work).plan)
     check_fits(arch, ranks, job.layout, tp=job.tp, pp=job.pp, dtype_bytes=4)
     open_model(job.model, verify=job.verify)
     token_windows(job.model, job.text, job.max_tokens, job.window)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from deinfer_megatron.generation.options import (
 )
 from deinfer_megatron.generation.sampling import SamplingParams
 from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.specs.layout import AUTO
 from deinfer_megatron.parallel import comm
 from deinfer_megatron.launch.run import run_on_ranks
 
@@ -175,6 +176,8 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
     groups = init_parallel(par.tp, par.pp, collectives=par.collectives)
     try:
         stage = load_folder(job.model, par.layout, groups, dtype=job.dtype.torch, verify=False)  # prepare() verified
+        if stage.layout.value == AUTO:  # logged by the ranks: a command that fails earlier prints one line
+            log.info("--layout auto: %s", describe_plan(stage.layout))
         tokens = slot_length(
             max(map(len, prompt_ids)) + job.max_new_tokens, max_positions=stage.arch.max_positions,
             bytes_per_token=kv_bytes_per_token(stage, cache.kind), slots=len(prompt_ids),
@@ -216,9 +219,14 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
         "kv_bytes_per_token": allocated["kv_bytes_per_token"],
         "driver": driver,
         "engine": job.engine.value,
-        "layout": par.layout.value, "kv_cache": cache.kind.value, "tp": par.tp, "pp": par.pp,
+        "layout": par.layout.value, **_block_layouts(par.layout), "kv_cache": cache.kind.value, "tp": par.tp, "pp": par.pp,
         "collectives": groups.transport.kind,  # what carried rank 0's TP collectives
     }
+
+
+def _block_layouts(layout: Any) -> dict[str, Any]:
+    """Per-block layouts of a resolved ``--layout auto`` (nothing for a fixed layout)."""
+    return {"block_layouts": layout.to_json()} if hasattr(layout, "to_json") else {}
 
 
 def _texts(job: GenerateJob, tokenizer: Any, outputs: list[Any]) -> list[dict[str, Any]]:
@@ -235,16 +243,37 @@ def _texts(job: GenerateJob, tokenizer: Any, outputs: list[Any]) -> list[dict[st
     return results
 
 
+def resolve_layout(job: GenerateJob, prompt_ids: list[list[int]]) -> GenerateJob:
+    """``job`` with ``--layout auto`` replaced by the cost model's plan for its batch (the
+    prompts) and context (the longest prompt plus the new tokens); other layouts unchanged."""
+    if job.parallel.layout != AUTO:
+        return job
+    from deinfer_megatron.checkpoints.folder import open_config
+    from deinfer_megatron.planning.auto import Workload, auto_plan
+
+    arch, ranks = open_config(job.model, verify=False)  # validate() verifies
+    work = Workload(tp=job.parallel.tp, batch=len(prompt_ids),
+                    context=max(map(len, prompt_ids)) + job.max_new_tokens, dtype=job.dtype.value,
+                    latent_cache=job.cache.kind is CacheKind.LATENT)
+    return replace(job, parallel=replace(job.parallel, layout=auto_plan(arch, ranks, work).plan))
+
+
+def describe_plan(plan: Any) -> str:
+    """A plan's per-block layouts in one line: ``0 deinfer/naive, 1 dense/deinfer, ...``."""
+    return ", ".join(f"{i} {b.attention.value}/{b.mlp.value}" for i, b in enumerate(plan.layers))
+
+
 def prepare(job: GenerateJob) -> list[list[int]]:
     """Check ``job`` and tokenise its prompts, before any rank starts; the prompts' token ids."""
     from deinfer_megatron.arch.model import load_arch
 
     load_arch(job.model)  # a missing folder or config.json is named before the tokenizer is read
     prompt_ids = encode_prompts(job, _tokenizer(job.model))
-    validate(job, prompt_ids)
+    validate(resolve_layout(job, prompt_ids), prompt_ids)
     return prompt_ids
 
 
 def run_generate(job: GenerateJob) -> dict[str, Any] | None:
     """Generate for ``job``; the result on the reporting process, None on other ranks."""
-    return run_on_ranks(job.parallel.world, _rank, job, prepare(job))
+    prompt_ids = prepare(job)
+    return run_on_ranks(job.parallel.world, _rank, resolve_layout(job, prompt_ids), prompt_ids)

@@ -17,7 +17,7 @@ import torch
 
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.parallel.collectives import Collectives
-from deinfer_megatron.specs.layout import Layout
+from deinfer_megatron.specs.layout import Layout, LayoutPlan, parse_layout_option
 
 
 def _parse(enum: type[Enum], value: object, what: str) -> Enum:
@@ -70,17 +70,19 @@ class Parallelism:
     the tensor-parallel collectives (``parallel.collectives``: shared memory between the CPU
     ranks of a node by default).
 
-    ``layout`` and ``collectives`` are parsed on construction (``Layout.parse``,
+    ``layout`` and ``collectives`` are parsed on construction (``parse_layout_option``,
     ``Collectives.parse``; a member passes unchanged), so a job built in Python may name them.
+    ``layout`` may be ``"auto"`` (resolved into a ``LayoutPlan`` by the job before the ranks
+    start) or such a plan.
     """
 
     tp: int = 1
     pp: int = 1
-    layout: Layout = Layout.DEINFER
+    layout: Layout | LayoutPlan | str = Layout.DEINFER
     collectives: Collectives = Collectives.AUTO
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "layout", Layout.parse(self.layout))
+        object.__setattr__(self, "layout", parse_layout_option(self.layout))
         object.__setattr__(self, "collectives", Collectives.parse(self.collectives))
 
     @property

@@ -19,7 +19,7 @@ from deinfer_megatron.arch.model import ModelArch, transformer_config
 from deinfer_megatron.parallel.runtime import ParallelGroups
 from deinfer_megatron.parallel.topology import valid_tp_sizes
 from deinfer_megatron.specs.builder import decomposed_block_spec
-from deinfer_megatron.specs.layout import Layout
+from deinfer_megatron.specs.layout import Layout, LayoutPlan, as_plan
 from deinfer_megatron.specs.rank_config import RankConfig
 
 
@@ -29,8 +29,8 @@ class Stage:
 
     model: Any  # megatron.core.models.gpt.GPTModel
     arch: ModelArch
-    layout: Layout
-    rank_config: RankConfig  # as built (all dense under the dense layout)
+    layout: Layout | LayoutPlan
+    rank_config: RankConfig  # as built (without the modules of blocks built dense)
     groups: ParallelGroups
     layer_offset: int
     num_local_layers: int
@@ -104,19 +104,20 @@ def _mark_megatron_shards(model: torch.nn.Module) -> None:
 def build_stage(
     arch: ModelArch,
     rank_config: RankConfig,
-    layout: Layout | str,
+    layout: Layout | LayoutPlan | str,
     groups: ParallelGroups,
     *,
     dtype: torch.dtype = torch.float32,
 ) -> Stage:
-    """Construct this rank's empty model stage for ``layout`` (dense ignores the rank config)."""
+    """Construct this rank's empty model stage for ``layout`` (one layout, or a ``LayoutPlan``
+    with one per block); a block built dense ignores its ranks in the rank config."""
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    layout = Layout.parse(layout)
+    layout = layout if isinstance(layout, LayoutPlan) else Layout.parse(layout)
     check_parallel_sizes(arch, groups.tp_size, groups.pp_size)
-    built_ranks = RankConfig.dense(arch) if layout.multiplies_out else rank_config
+    built_ranks = as_plan(layout, arch.num_layers).built_ranks(rank_config, arch)
     config = transformer_config(arch, tp=groups.tp_size, pp=groups.pp_size, dtype=dtype)
     # Per-layer dist-checkpoint keys: decomposed layers have per-layer ranks, which cannot share
     # a tensor stacked over layers (layers.sharded_state); model.sharded_state_dict() then works as is.
@@ -154,6 +155,22 @@ def build_stage(
     )
 
 
+def agreed_layout(layout: Layout | LayoutPlan | str, groups: ParallelGroups) -> Layout | LayoutPlan | str:
+    """Global rank 0's plan on every rank: under an external launcher each rank resolved
+    ``--layout auto`` itself, from its own timings, and ranks building different blocks would
+    hang in their first collective. A fixed layout is the same everywhere and is not sent."""
+    import json
+
+    import torch.distributed as dist
+
+    from deinfer_megatron.parallel import comm
+
+    if not isinstance(layout, LayoutPlan) or not dist.is_initialized() or dist.get_world_size() == 1:
+        return layout
+    payload = json.dumps(layout.to_json()).encode() if dist.get_rank() == 0 else None
+    return LayoutPlan.from_json(json.loads(comm.broadcast_bytes(payload, 0, groups.device)), layout.name)
+
+
 def load_folder(path: str | Path, layout: Layout | str, groups: ParallelGroups, *,
                 dtype: torch.dtype = torch.float32, verify: bool = True) -> Stage:
     """Open a model folder (dense or decomposed), or a Megatron checkpoint written by
@@ -170,6 +187,7 @@ def load_folder(path: str | Path, layout: Layout | str, groups: ParallelGroups, 
     )
     from deinfer_megatron.checkpoints.folder import open_model
 
+    layout = agreed_layout(layout, groups)
     if is_dist_checkpoint(path):  # Megatron's dist_checkpointing reads this rank's slices only
         arch, ranks, _, _ = open_checkpoint(path, verify=verify, read=False)
         stage = build_stage(arch, ranks, layout, groups, dtype=dtype)
@@ -184,12 +202,16 @@ def load_folder(path: str | Path, layout: Layout | str, groups: ParallelGroups, 
 def load_weights(stage: Stage, source: Mapping[str, Any], source_ranks: RankConfig) -> None:
     """Fill ``stage`` from Hugging Face-named tensors decomposed as ``source_ranks`` says.
 
-    Under the dense layout a decomposed source is multiplied out (``W = U·V``) on the fly.
+    The factors of every block built dense (all of them under the dense layout) are multiplied
+    out (``W = U·V``) on the fly; the other blocks load their factors as they are.
     """
-    if stage.layout.multiplies_out and source_ranks.modules:
-        source = MultipliedOut(source, source_ranks)
-    elif not stage.layout.multiplies_out and dict(source_ranks.modules) != dict(stage.rank_config.modules):
+    built = dict(stage.rank_config.modules)
+    dense = as_plan(stage.layout, stage.arch.num_layers).dense_modules(stage.arch)
+    if built != {n: r for n, r in source_ranks.modules.items() if n not in dense}:
         raise ValueError("the checkpoint's rank config differs from the one the model was built with")
+    multiplied = {n: r for n, r in source_ranks.modules.items() if n not in built}
+    if multiplied:
+        source = MultipliedOut(source, RankConfig.from_mapping(multiplied, stage.arch))
     load_stage(
         stage.model,
         source,

@@ -25,7 +25,7 @@ from deinfer_megatron.layers.dense import dense_attention_cost, dense_mlp_cost
 from deinfer_megatron.layers.factored_linear import factored_mlp_cost
 from deinfer_megatron.parallel.topology import TPView
 from deinfer_megatron.specs.builder import factored_attention_submodules, require_dense_attention_fits
-from deinfer_megatron.specs.layout import FactorClasses, Layout
+from deinfer_megatron.specs.layout import BlockLayouts, Layout, LayoutPlan, as_plan
 from deinfer_megatron.specs.rank_config import LayerRanks, RankConfig
 
 
@@ -39,6 +39,7 @@ class LayerPlan:
     collective_ops: list[tuple[str, int]]  # (kind, elements per token)
     elements_per_token: int
     kv_bytes_per_token: dict[str, int | None]  # {"full": ..., "latent": ... or None}
+    layouts: dict[str, str] = field(default_factory=dict)  # {"attention": ..., "mlp": ...} as built
     backward_ops: list[tuple[str, int]] = field(default_factory=list)  # (kind, elements per token)
     training_collectives: int = 0  # forward + backward, per token
     training_elements_per_token: int = 0
@@ -67,20 +68,21 @@ class Plan:
 # --------------------------------------------------------------------------- per-layer costs
 
 
-def _block_costs(config: Any, classes: FactorClasses | None, attn: AttentionRanks | None,
+def block_costs(config: Any, blocks: BlockLayouts, attn: AttentionRanks | None,
                  mlp: MlpRanks | None, tp: TPView) -> tuple[Cost, Cost]:
     """(attention, MLP) cost on rank ``tp.rank``, each answered by the module the block is built
     as: Megatron's dense block where there are no ranks, else the decomposed block with the
-    layout's factor classes in its slots."""
+    block's layout's factor classes in its slots."""
+    attn_classes, mlp_classes = blocks.attention.factor_classes, blocks.mlp.factor_classes
     attention = (
         dense_attention_cost(config, tp)
         if attn is None
-        else FactoredSelfAttention.cost(config, factored_attention_submodules(classes), attn, tp)
+        else FactoredSelfAttention.cost(config, factored_attention_submodules(attn_classes), attn, tp)
     )
     ffn = (
         dense_mlp_cost(config, tp)
         if mlp is None
-        else factored_mlp_cost(config, classes.column, classes.row, mlp, tp)
+        else factored_mlp_cost(config, mlp_classes.column, mlp_classes.row, mlp, tp)
     )
     return attention, ffn
 
@@ -97,28 +99,30 @@ def _rank_names(arch: ModelArch, rank_config: RankConfig, index: int) -> dict[st
 def layer_plan(
     arch: ModelArch,
     rank_config: RankConfig,
-    layout: Layout,
+    layout: Layout | BlockLayouts,
     tp: int,
     index: int,
     dtype_bytes: int,
     *,
     config: Any = None,
 ) -> LayerPlan:
-    """The plan of global layer ``index``; parameters are the maximum over the TP ranks.
+    """The plan of global layer ``index`` in ``layout`` (one for both blocks, or one per block);
+    parameters are the maximum over the TP ranks.
 
     ``config`` is the model's Megatron ``TransformerConfig`` (built from ``arch`` when omitted):
     the costs are asked with the very values the layers are built from.
     """
     config = config if config is not None else transformer_config(arch, tp=tp, pp=1)
     ranks: LayerRanks = rank_config.layers[index]
-    classes = layout.factor_classes
-    # The blocks as built: without factor classes (the dense layout) every block is dense.
-    attn, mlp = (ranks.attention, ranks.mlp) if classes is not None else (None, None)
+    blocks = layout if isinstance(layout, BlockLayouts) else BlockLayouts(layout, layout)
+    # The blocks as built: a block without factor classes (dense layout) is Megatron's dense one.
+    attn = ranks.attention if blocks.attention.factor_classes is not None else None
+    mlp = ranks.mlp if blocks.mlp.factor_classes is not None else None
     if attn is None:
         require_dense_attention_fits(arch.num_kv_heads, tp, index)
     params = 0
     for rank in range(tp):
-        attention, ffn = _block_costs(config, classes, attn, mlp, TPView(rank, tp))
+        attention, ffn = block_costs(config, blocks, attn, mlp, TPView(rank, tp))
         params = max(params, attention.params + ffn.params + _norm_params(arch))
     ops = [(c.kind, c.elements) for c in attention.collectives + ffn.collectives]
     # the backward pass runs the blocks, and each block's parts, in reverse order
@@ -132,6 +136,7 @@ def layer_plan(
     return LayerPlan(
         index=index,
         kind=kind,
+        layouts={"attention": blocks.attention.value, "mlp": blocks.mlp.value},
         ranks=_rank_names(arch, rank_config, index),
         params_per_rank=params,
         collectives=len(ops),
@@ -169,7 +174,7 @@ def _edge_params(arch: ModelArch, tp: int, pp: int, stage: int) -> int:
 def make_plan(
     arch: ModelArch,
     rank_config: RankConfig,
-    layout: Layout | str,
+    layout: Layout | LayoutPlan | str,
     *,
     tp: int = 1,
     pp: int = 1,
@@ -177,14 +182,15 @@ def make_plan(
     seq: int = 1,
     dtype_bytes: int = 4,
 ) -> Plan:
-    """Plan every layer of ``arch`` for ``layout`` at TP ``tp`` and PP ``pp``."""
+    """Plan every layer of ``arch`` for ``layout`` (one layout, or a plan with one per block)
+    at TP ``tp`` and PP ``pp``."""
     from deinfer_megatron.models.build import check_parallel_sizes
 
-    layout = Layout.parse(layout)
+    plan = as_plan(layout, arch.num_layers)
     check_parallel_sizes(arch, tp, pp)
     stages = _stage_bounds(arch.num_layers, pp)
     config = transformer_config(arch, tp=tp, pp=pp)
-    layers = [layer_plan(arch, rank_config, layout, tp, i, dtype_bytes, config=config)
+    layers = [layer_plan(arch, rank_config, plan.layers[i], tp, i, dtype_bytes, config=config)
               for i in range(arch.num_layers)]
     stage_params = [
         sum(l.params_per_rank for l in layers[a:b]) + _edge_params(arch, tp, pp, s)
@@ -208,4 +214,4 @@ def make_plan(
         "kv_bytes_per_token": {"full": max(kv_full), "latent": max(kv_latent)},
         "kv_bytes_for_batch": {"full": max(kv_full) * tokens, "latent": max(kv_latent) * tokens},
     }
-    return Plan(layout.value, tp, pp, batch, seq, dtype_bytes, layers, stages, totals)
+    return Plan(plan.value, tp, pp, batch, seq, dtype_bytes, layers, stages, totals)

@@ -32,6 +32,11 @@ def _kv(layer: LayerPlan) -> str:
     return f"{kv['full']}/{kv['latent']}" if kv["latent"] is not None else f"{kv['full']}/-"
 
 
+def _per_block(plan: Plan) -> bool:
+    """A plan with a layout per block (``auto``): its rows show each block's choice."""
+    return plan.layout not in {"dense", "naive", "deinfer"}
+
+
 def format_plans(plans: list[Plan]) -> str:
     """One row per layer; per layout: collectives, elements/token (forward; and of a training
     step, forward + backward), params/rank, KV bytes."""
@@ -42,12 +47,16 @@ def format_plans(plans: list[Plan]) -> str:
     ]
     head = f"{'layer':>5} {'kind':<20} {'ranks':<28}"
     for p in plans:
+        if _per_block(p):
+            head += f" | {'attn/mlp layout':<15}"
         head += f" | {p.layout + ' collectives':<28} {'elem':>6} {'train':>6} {'params':>7} {'KV B':>9}"
     lines += [head, "-" * len(head)]
     for i, layer in enumerate(first.layers):
         row = f"{layer.index:>5} {layer.kind:<20} {_ranks(layer):<28}"
         for p in plans:
             lp = p.layers[i]
+            if _per_block(p):
+                row += f" | {lp.layouts['attention'] + '/' + lp.layouts['mlp']:<15}"
             row += (f" | {_ops(lp):<28} {lp.elements_per_token:>6} {lp.training_elements_per_token:>6} "
                     f"{human(lp.params_per_rank):>7} {_kv(lp):>9}")
         lines.append(row)
@@ -64,4 +73,9 @@ def format_plans(plans: list[Plan]) -> str:
             f"a training step (forward + backward): {t['training_collectives_per_token']} collectives and "
             f"{human(t['training_elements_per_token'])} elements per token"
         )
+        predicted = t.get("predicted_decode_step_s")
+        if predicted:
+            fixed = ", ".join(f"{k} {1e3 * v:.3f} ms" for k, v in predicted.items() if k != p.layout)
+            lines.append(f"{p.layout:>8}: predicted decode step {1e3 * predicted[p.layout]:.3f} ms "
+                         f"(the transformer layers, batch {p.batch}, context {p.seq}; fixed layouts: {fixed})")
     return "\n".join(lines)

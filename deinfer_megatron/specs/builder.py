@@ -34,7 +34,14 @@ from megatron.core.transformer.transformer_layer import (
 from deinfer_megatron.layers.attention import FactoredAttentionSubmodules, FactoredSelfAttention
 from deinfer_megatron.layers.core_attention import SdpaCoreAttention
 from deinfer_megatron.layers.dense import CountedColumnParallelLinear, CountedRowParallelLinear
-from deinfer_megatron.specs.layout import FACTOR_CLASSES, FactorClasses, Layout
+from deinfer_megatron.specs.layout import (
+    FACTOR_CLASSES,
+    BlockLayouts,
+    FactorClasses,
+    Layout,
+    LayoutPlan,
+    as_plan,
+)
 from deinfer_megatron.specs.rank_config import LayerRanks, RankConfig
 
 
@@ -112,12 +119,15 @@ def require_dense_attention_fits(num_kv_heads: int, tp: int, layer_index: int) -
         )
 
 
-def layer_spec(config: Any, ranks: LayerRanks, layout: Layout | str, layer_index: int) -> ModuleSpec:
-    """The ``TransformerLayer`` spec of global layer ``layer_index`` (0-based)."""
-    classes = FACTOR_CLASSES[Layout.parse(layout)]
+def layer_spec(config: Any, ranks: LayerRanks, layout: "Layout | BlockLayouts | str",
+               layer_index: int) -> ModuleSpec:
+    """The ``TransformerLayer`` spec of global layer ``layer_index`` (0-based); ``layout`` is one
+    layout for both blocks or a ``BlockLayouts`` (one per block)."""
+    blocks = layout if isinstance(layout, BlockLayouts) else BlockLayouts(Layout.parse(layout), Layout.parse(layout))
+    attn_classes, mlp_classes = FACTOR_CLASSES[blocks.attention], FACTOR_CLASSES[blocks.mlp]
     number = layer_index + 1  # Megatron's layer_number
-    attn_ranks = ranks.attention if classes else None
-    mlp_ranks = ranks.mlp if classes else None
+    attn_ranks = ranks.attention if attn_classes else None
+    mlp_ranks = ranks.mlp if mlp_classes else None
     if attn_ranks is None:
         require_dense_attention_fits(config.num_query_groups, config.tensor_model_parallel_size, layer_index)
     norm = _norm(config)
@@ -128,11 +138,11 @@ def layer_spec(config: Any, ranks: LayerRanks, layout: Layout | str, layer_index
             self_attention=(
                 _dense_attention(number)
                 if attn_ranks is None
-                else _factored_attention(classes, attn_ranks, number)
+                else _factored_attention(attn_classes, attn_ranks, number)
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=_dense_mlp(number) if mlp_ranks is None else _factored_mlp(classes, mlp_ranks, number),
+            mlp=_dense_mlp(number) if mlp_ranks is None else _factored_mlp(mlp_classes, mlp_ranks, number),
             mlp_bda=get_bias_dropout_add,
         ),
     )
@@ -141,7 +151,7 @@ def layer_spec(config: Any, ranks: LayerRanks, layout: Layout | str, layer_index
 def decomposed_block_spec(
     config: Any,
     rank_config: RankConfig,
-    layout: Layout | str,
+    layout: Layout | LayoutPlan | str,
     *,
     pp_rank: int | None = None,
 ) -> TransformerBlockSubmodules:
@@ -150,7 +160,8 @@ def decomposed_block_spec(
     Args:
         config: Megatron ``TransformerConfig`` of the whole model.
         rank_config: validated ranks (``RankConfig.dense(arch)`` for a dense model).
-        layout: ``"deinfer"``, ``"naive"`` or ``"dense"``.
+        layout: ``"deinfer"``, ``"naive"`` or ``"dense"``, or a ``LayoutPlan`` (a layout per
+            block, e.g. chosen by ``--layout auto``).
         pp_rank: this stage's pipeline rank (Megatron's global state is read when omitted,
             as ``get_gpt_decoder_block_spec`` does).
     """
@@ -158,9 +169,10 @@ def decomposed_block_spec(
         raise ValueError(
             f"rank config describes {len(rank_config.layers)} layers, the model has {config.num_layers}"
         )
+    plan = as_plan(layout, config.num_layers)
     offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, pp_rank=pp_rank)
     specs = [
-        layer_spec(config, rank_config.layers[i], layout, i) for i in range(offset, offset + count)
+        layer_spec(config, rank_config.layers[i], plan.layers[i], i) for i in range(offset, offset + count)
     ]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=_norm(config))

@@ -19,6 +19,8 @@ from deinfer_megatron.layers.factored_linear import (
     NaiveFactoredLinear,
 )
 from deinfer_megatron.layers.factors import GatheredDown, ReducedUp, ShardedDown, ShardedUp
+from deinfer_megatron.arch.model import ModelArch
+from deinfer_megatron.specs.rank_config import RankConfig
 
 
 class Layout(str, Enum):
@@ -69,3 +71,102 @@ FACTOR_CLASSES: dict[Layout, FactorClasses | None] = {
     Layout.NAIVE: FactorClasses(ShardedDown, ReducedUp, NaiveFactoredLinear, NaiveFactoredLinear),
     Layout.DENSE: None,
 }
+
+
+AUTO = "auto"  # ``--layout auto``: the planner's cost model picks a layout per block (planning.auto)
+
+
+@dataclass(frozen=True)
+class BlockLayouts:
+    """The layouts of one transformer layer's two blocks."""
+
+    attention: Layout
+    mlp: Layout
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """A layout per block of every layer: what ``--layout auto`` builds, passed wherever a
+    ``Layout`` is. A single ``Layout`` is the uniform plan (``LayoutPlan.uniform``); the
+    classes of each block still come from ``FACTOR_CLASSES`` only.
+
+    A block whose layout is ``dense`` is Megatron's dense block: its factors are multiplied out
+    at load time, while the other blocks of the same model stay factored.
+    """
+
+    layers: tuple[BlockLayouts, ...]
+    name: str = AUTO  # how the plan is shown (``auto``, or the uniform layout's name)
+
+    @classmethod
+    def uniform(cls, layout: "Layout | str", num_layers: int) -> "LayoutPlan":
+        layout = Layout.parse(layout)
+        return cls(tuple(BlockLayouts(layout, layout) for _ in range(num_layers)), layout.value)
+
+    @property
+    def value(self) -> str:
+        return self.name
+
+    @property
+    def multiplies_out(self) -> bool:
+        """Every block is dense: the whole model is served multiplied out."""
+        return all(b.attention.multiplies_out and b.mlp.multiplies_out for b in self.layers)
+
+    @property
+    def supports_latent_cache(self) -> bool:
+        """The latent cache keeps whole latents of every factored attention block; a dense
+        attention block (a layer chosen dense) keeps full K/V, as a dense layer always does."""
+        factored = [b.attention for b in self.layers if not b.attention.multiplies_out]
+        return bool(factored) and all(a.supports_latent_cache for a in factored)
+
+    def dense_modules(self, arch: ModelArch) -> set[str]:
+        """Hugging Face names of the linear modules in blocks this plan builds dense."""
+        out: set[str] = set()
+        for i, block in enumerate(self.layers):
+            if block.attention.multiplies_out:
+                out.update(arch.attention_modules(i).values())
+            if block.mlp.multiplies_out:
+                out.update(arch.mlp_modules(i).values())
+        return out
+
+    def built_ranks(self, rank_config: RankConfig, arch: ModelArch) -> RankConfig:
+        """The ranks the model is built with: those of ``rank_config`` minus the modules of
+        blocks this plan builds dense (whose factors are multiplied out at load time)."""
+        dropped = self.dense_modules(arch)
+        kept = {n: r for n, r in rank_config.modules.items() if n not in dropped}
+        return RankConfig.from_mapping(kept, arch) if kept else RankConfig.dense(arch)
+
+    def to_json(self) -> list[dict[str, str]]:
+        return [{"attention": b.attention.value, "mlp": b.mlp.value} for b in self.layers]
+
+    @classmethod
+    def from_json(cls, doc: list[dict[str, str]], name: str = AUTO) -> "LayoutPlan":
+        return cls(tuple(BlockLayouts(Layout.parse(b["attention"]), Layout.parse(b["mlp"])) for b in doc), name)
+
+
+def as_plan(layout: "Layout | LayoutPlan | str", num_layers: int) -> LayoutPlan:
+    """``layout`` as a plan of ``num_layers`` layers (a ``Layout`` or its name: uniform)."""
+    if isinstance(layout, LayoutPlan):
+        if len(layout.layers) != num_layers:
+            raise ValueError(f"layout plan describes {len(layout.layers)} layers, the model has {num_layers}")
+        return layout
+    if layout == AUTO:
+        raise ValueError("--layout auto must be resolved by the planner (planning.auto.auto_plan) before building")
+    return LayoutPlan.uniform(layout, num_layers)
+
+
+def parse_layout_option(value: "str | Layout | LayoutPlan") -> "Layout | LayoutPlan | str":
+    """A ``--layout`` value: a fixed ``Layout``, ``auto`` (kept as the string until the planner
+    resolves it against the job's sizes), or an already resolved plan (passes unchanged)."""
+    if isinstance(value, LayoutPlan) or value == AUTO:
+        return value
+    try:
+        return Layout.parse(value)
+    except ValueError:
+        raise ValueError(
+            f"unknown layout {value!r}; choose one of {', '.join(layout_option_names())}"
+        ) from None
+
+
+def layout_option_names() -> list[str]:
+    """The ``--layout`` choices: ``auto`` and every fixed layout."""
+    return [AUTO] + [m.value for m in Layout]

@@ -41,7 +41,8 @@ def bench(tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
 def tiny(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dict]:
     tmp = tmp_path_factory.mktemp("bench")
     proc, doc = bench(tmp, "--synthetic", "llama-tiny", "--tp", "1,2", "--batch", "1,2", "--gen-len", str(GEN_LEN),
-                      "--json", "out.json", "--markdown", "out.md", "--plot", "out.png")
+                      "--layouts", "dense,naive,deinfer", "--json", "out.json", "--markdown", "out.md",
+                      "--plot", "out.png")
     return tmp, proc, doc
 
 
@@ -105,6 +106,38 @@ def test_speedups_and_reports(tiny) -> None:
     table = proc.stdout.strip().splitlines()
     assert len(table) == 1 + len(doc["cells"]), "a header, then one row per cell"
     assert not list(tmp.glob(".*.tmp")), "atomic writes leave no temporary files"
+
+
+def test_auto_cells_run_the_cost_models_plan(tmp_path) -> None:
+    """An ``auto`` cell builds the plan the cost model chooses for its TP, batch and context
+    (here an injected table, planted in the cache, where only collective elements cost time),
+    and reports it beside the fixed layouts."""
+    from tests.helpers.cost_tables import elements_only
+    from deinfer_megatron.planning import cost_model
+
+    table = elements_only()
+    key = cost_model.TableKey.current(1)
+    cost_model.save(cost_model.CostTable(key, table.gemm, table.memory_bytes_per_s, table.collectives),
+                    cost_model.cache_path(key, tmp_path / "cache" / "cost_model"))
+    proc = subprocess.run([*CLI, "--synthetic", "llama-tiny", "--tp", "2", "--batch", "2", "--gen-len", str(GEN_LEN),
+                           "--repeats", "1", "--layouts", "auto,deinfer", "--json", "out.json"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "DEINFER_MEGATRON_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "out.json").read_text())
+    cells = {c["layout"]: c for c in doc["cells"]}
+    assert set(cells) == {"auto", "deinfer"} and doc["counts"]["ok"] == 2
+    # llama-tiny keeps 60 % of its parameters: its ranks are high, so in every block dense sends
+    # fewer elements (h) than DeInfer's latents; the elements-only table must pick it everywhere
+    fixed = {l: expected_plan(l, 2) for l in ("dense", "naive", "deinfer")}
+    fewest = min(fixed, key=lambda l: fixed[l]["elements_per_token"])
+    assert fewest == "dense"
+    for name, plan in (("auto", fixed[fewest]), ("deinfer", fixed["deinfer"])):
+        s = cells[name]["summary"]
+        assert (s["collectives_per_token"], s["elements_per_token"]) == (
+            plan["collectives_per_token"], plan["elements_per_token"]), name
+        assert s["plan_match"] and s["decode_tokens_per_s"] > 0, name
+    assert any(line.startswith("| auto") or line.split()[:1] == ["auto"] for line in proc.stdout.splitlines())
 
 
 def test_json_keys_equal_the_documented_runs(tiny) -> None:

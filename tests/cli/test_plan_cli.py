@@ -58,3 +58,38 @@ def test_bad_inputs_are_one_line_errors(model_dir, tmp_path) -> None:
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_auto_shows_the_choice_per_block_and_the_predicted_step(model_dir, tmp_path, capsys) -> None:
+    """Layer 0's attention is decomposed at rank 8: a params-only table makes naive the cheapest
+    there (8·(64+64)·2 + 8·(64+32)·2 = 3584 parameters against dense 64·128 + 64·64 = 12288,
+    both split over the TP=2 ranks); every other block is dense in the model."""
+    from tests.helpers.cost_tables import params_only
+
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps(params_only().to_json()))
+    args = ["plan", "--model", str(model_dir), "--tp", "2", "--layout", "auto", "--cost-table", str(table),
+            "--batch", "8", "--seq", "64"]
+    assert run([*args, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["layout"] == "auto"
+    assert [l["layouts"] for l in doc["layers"]] == [{"attention": "naive", "mlp": "dense"}] + [
+        {"attention": "dense", "mlp": "dense"}] * 3
+    predicted = doc["totals"]["predicted_decode_step_s"]
+    assert set(predicted) == {"auto", "deinfer", "naive", "dense"}
+    # params-only: 2 · batch · params per rank / rate, the rate of the injected table (1e9 flop/s)
+    dense_layer = (64 * 128 + 64 * 64 + 3 * 64 * 96) // 2
+    assert predicted["dense"] == pytest.approx(4 * 2 * 8 * dense_layer / 1e9)
+    assert predicted["auto"] == pytest.approx(predicted["naive"])
+    assert predicted["naive"] < predicted["dense"]
+    assert run(args) == 0
+    out = capsys.readouterr().out
+    assert "naive/dense" in out and "dense/dense" in out and "predicted decode step" in out
+
+
+def test_cost_table_needs_auto(model_dir, tmp_path, capsys) -> None:
+    assert run(["plan", "--model", str(model_dir), "--layout", "naive", "--cost-table", str(tmp_path / "t.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--cost-table is read by --layout auto only" in err[0]
+    assert run(["plan", "--model", str(model_dir), "--layout", "auto", "--cost-table", str(tmp_path / "t.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err

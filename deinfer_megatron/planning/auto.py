@@ -1,0 +1,140 @@
+"""``--layout auto``: the fastest layout for every block, as a host's cost table predicts it.
+
+The blocks of a transformer layer all start and end with the whole hidden state on every rank,
+so each block's layout can be chosen on its own: for each attention and MLP block, every fixed
+layout's ``Cost`` (the classes of the layout table, asked by the planner) is priced by the
+``CostTable`` for a decode step of the job's batch at its context, on the slowest TP rank, and
+the cheapest is taken (ties: the order of ``CANDIDATES``). The result is a ``LayoutPlan``,
+built and loaded like any fixed layout.
+
+What is not priced: the embedding, the output layer and the norms (the same in every layout),
+and prefill (one step against the decode steps of a generation).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from deinfer_megatron.arch.model import ModelArch, transformer_config
+from deinfer_megatron.layers.costs import Cost
+from deinfer_megatron.parallel.topology import TPView
+from deinfer_megatron.planning.cost_model import CostTable
+from deinfer_megatron.planning.plan import block_costs
+from deinfer_megatron.specs.layout import BlockLayouts, Layout, LayoutPlan
+from deinfer_megatron.specs.rank_config import RankConfig
+
+CANDIDATES = (Layout.DEINFER, Layout.NAIVE, Layout.DENSE)
+FALLBACK = Layout.DEINFER  # where no cost table can be measured: the method's own layout
+log = logging.getLogger(__name__)
+BLOCKS = ("attention", "mlp")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a step is priced for: ``batch`` sequences each attending to ``context`` tokens."""
+
+    tp: int
+    batch: int = 1
+    context: int = 128
+    dtype: str = "float32"
+    latent_cache: bool = False  # decomposed attention blocks must then keep whole latents
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 2 if self.dtype in ("bfloat16", "float16") else 4
+
+
+@dataclass
+class AutoChoice:
+    """The plan and, per layer and block, each candidate's predicted seconds per decode step."""
+
+    plan: LayoutPlan
+    seconds: list[dict[str, dict[str, float]]]  # [layer]{block: {layout: s}}
+
+    @property
+    def step_seconds(self) -> float:
+        """Predicted decode step of the chosen plan (the transformer layers); NaN when the
+        plan is the fallback of a machine without a cost table."""
+        if not self.seconds:
+            return math.nan
+        return sum(self.seconds[i][b][getattr(blk, b).value]
+                   for i, blk in enumerate(self.plan.layers) for b in BLOCKS)
+
+    def fixed_step_seconds(self, layout: Layout) -> float | None:
+        """Predicted decode step of a fixed layout; None where it cannot run this model."""
+        total = 0.0
+        for layer in self.seconds:
+            for b in BLOCKS:
+                if layout.value not in layer[b]:
+                    return None
+                total += layer[b][layout.value]
+        return total
+
+
+def block_seconds(table: CostTable, cost: Cost, work: Workload, *, kv_bytes_per_token: int) -> float:
+    """One block's share of a decode step on one rank (module docstring's formula)."""
+    t = table.gemm_seconds(work.dtype, work.batch, cost.params)
+    t += table.memory_seconds(work.batch * work.context * kv_bytes_per_token)
+    for c in cost.collectives:
+        t += table.collective_seconds(c.kind, work.batch * c.elements * work.dtype_bytes)
+    return t
+
+
+def _allowed(layout: Layout, block: str, ranks: Any, arch: ModelArch, work: Workload) -> bool:
+    if block == "attention" and layout is Layout.DENSE and arch.num_kv_heads < work.tp:
+        return False  # Megatron's dense attention needs a KV head per rank
+    if block == "attention" and work.latent_cache and ranks is not None:
+        return layout.supports_latent_cache  # --kv-cache latent: latents of every decomposed attention
+    return True
+
+
+def choose_layouts(arch: ModelArch, rank_config: RankConfig, work: Workload, table: CostTable) -> AutoChoice:
+    """Price every candidate for every block and keep the cheapest (see the module docstring)."""
+    from deinfer_megatron.models.build import check_parallel_sizes
+
+    check_parallel_sizes(arch, work.tp, 1)  # a TP size that does not split the heads: its own message
+    config = transformer_config(arch, tp=work.tp, pp=1)
+    chosen: list[BlockLayouts] = []
+    seconds: list[dict[str, dict[str, float]]] = []
+    for index, ranks in enumerate(rank_config.layers):
+        layer: dict[str, dict[str, float]] = {b: {} for b in BLOCKS}
+        for layout in CANDIDATES:
+            attn = ranks.attention if layout.factor_classes is not None else None
+            mlp = ranks.mlp if layout.factor_classes is not None else None
+            worst = {b: 0.0 for b in BLOCKS}
+            for rank in range(work.tp):
+                costs = block_costs(config, BlockLayouts(layout, layout), attn, mlp, TPView(rank, work.tp))
+                latent = work.latent_cache and attn is not None and layout.supports_latent_cache
+                kv = (attn.k + attn.v if latent else 2 * costs[0].kv_heads * arch.head_dim) * work.dtype_bytes
+                for b, cost, kv_b in zip(BLOCKS, costs, (kv, 0)):
+                    worst[b] = max(worst[b], block_seconds(table, cost, work, kv_bytes_per_token=kv_b))
+            for b, block_ranks in zip(BLOCKS, (ranks.attention, ranks.mlp)):
+                if _allowed(layout, b, block_ranks, arch, work):
+                    layer[b][layout.value] = worst[b]
+        if not layer["attention"]:
+            raise ValueError(f"layer {index}: no layout can run its attention block at --tp {work.tp}")
+        order = [c.value for c in CANDIDATES]
+        pick = {b: Layout(min(layer[b], key=lambda v: (layer[b][v], order.index(v)))) for b in BLOCKS}
+        for b, block_ranks in zip(BLOCKS, (ranks.attention, ranks.mlp)):
+            if block_ranks is None:  # a dense block of the model is dense in every layout
+                pick[b] = Layout.DENSE
+        chosen.append(BlockLayouts(pick["attention"], pick["mlp"]))
+        seconds.append(layer)
+    return AutoChoice(LayoutPlan(tuple(chosen)), seconds)
+
+
+def auto_plan(arch: ModelArch, rank_config: RankConfig, work: Workload,
+              table: CostTable | None = None) -> AutoChoice:
+    """``choose_layouts`` with this host's cached (or freshly measured) table when none is given."""
+    if table is None:
+        from deinfer_megatron.planning.cost_model import host_table
+
+        try:
+            table = host_table(tp=work.tp)
+        except RuntimeError as err:  # nothing to measure the collectives with on this machine
+            log.warning("--layout auto: %s; using the %s layout for every block", err, FALLBACK.value)
+            return AutoChoice(LayoutPlan.uniform(FALLBACK, arch.num_layers), [])
+    return choose_layouts(arch, rank_config, work, table)
