@@ -17,7 +17,7 @@ from deinfer_megatron.generation.sampling import SamplingParams
 from deinfer_megatron.launch.external import LAUNCHERS, run_under_launcher
 from deinfer_megatron.launch.report import send_report
 from deinfer_megatron.layers.kv_cache import CacheKind
-from deinfer_megatron.specs.layout import AUTO, Layout, layout_option_names, parse_layout_option
+from deinfer_megatron.specs.layout import Layout, layout_option_names, parse_layout_option
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--layout", type=parsed_by(parse_layout_option), choices=layout_option_names(), default=AUTO,
-                   help="auto (default): the fastest layout per block by this host's cost model "
-                        "(measured once, cached); or one fixed layout for every block")
+    p.add_argument("--layout", type=parsed_by(parse_layout_option), choices=layout_option_names(), default=Layout.DEINFER,
+                   help="deinfer (default), naive or dense for every block; auto: the fastest layout per "
+                        "block by this host's cost model (measured once, cached; not yet the default: "
+                        "its predictions are not yet validated against measured steps, docs/INFERENCE.md)")
     p.add_argument("--collectives", type=parsed_by(Collectives.parse), choices=names(Collectives),
                    default=Collectives.AUTO,
                    help="auto: shared memory between the CPU ranks of a node, the process group beyond; "

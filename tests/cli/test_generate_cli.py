@@ -115,7 +115,7 @@ def test_flags_are_parsed_into_a_typed_config(tmp_path: Path) -> None:
     assert job.engine is Engine.DEEPSPEED and job.dtype is DType.BFLOAT16
     defaults = build_parser().parse_args(["generate", "--model", str(tmp_path), "--prompt", "Hi"])
     job = defaults.make_config(defaults).job
-    assert job.parallel.layout == "auto" and job.cache.kind is CacheKind.FULL and job.stream
+    assert job.parallel.layout is Layout.DEINFER and job.cache.kind is CacheKind.FULL and job.stream
     assert job.parallel.collectives is Collectives.AUTO
     assert job.engine is Engine.MEGATRON and job.dtype is DType.FLOAT32
 
