@@ -68,6 +68,24 @@ def sharded_model_state(stage: Any) -> dict[str, Any]:
     return sd
 
 
+def _in_process_results_queue() -> None:
+    """Give Megatron's writer an in-process results queue instead of a ``multiprocessing``
+    manager's.
+
+    A synchronous save puts its write results and reads them back in the calling process, so a
+    plain ``queue.Queue`` carries them. The manager Megatron would start is a server process of
+    its own: it survives a killed command (nothing ties it to its parent), and its socket under
+    a deep ``$TMPDIR`` (a test's, a job scheduler's) is longer than a Unix socket path may be,
+    so it dies at start.
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 @contextlib.contextmanager
 def _megatron_io() -> Iterator[None]:
     """What ``dist_checkpointing.save``/``load`` need on this machine.
@@ -83,6 +101,7 @@ def _megatron_io() -> Iterator[None]:
     if daemon:
         process.daemon = False
     try:
+        _in_process_results_queue()
         with warnings.catch_warnings():  # Megatron-Core 0.16.1 still calls DCP's deprecated name
             warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated", category=FutureWarning)
             yield

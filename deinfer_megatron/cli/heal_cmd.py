@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from deinfer_megatron.healing.job import DTYPES, HealJob, run_heal
+from deinfer_megatron.healing.job import DTYPES, LAYOUTS, HealJob, run_heal
 from deinfer_megatron.healing.loop import DISTILL
 from deinfer_megatron.healing.student import TRAINABLE
 
@@ -38,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="held-out text: perplexity before, every --eval-every steps, and after (logged)")
     p.add_argument("--eval-every", type=int, default=0, help="steps between held-out evaluations")
     p.add_argument("--eval-tokens", type=int, default=2048, help="held-out tokens per --eval-text file")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the student and teacher")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--layout", choices=LAYOUTS, default="deinfer", help="the student's parallel layout")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(make_config=config_from_args, run=main)
 
@@ -47,11 +50,14 @@ def config_from_args(a: argparse.Namespace) -> HealJob:
                    calib_self=a.calib_self, tokens=a.tokens, minutes=a.minutes, lr=a.lr, warmup=a.warmup,
                    batch=a.batch, seq_len=a.seq_len, train=a.train, ce_weight=a.ce_weight, distill=a.distill,
                    dtype=a.dtype, save_every=a.save_every, resume=a.resume, json_log=a.json_log, seed=a.seed,
-                   eval_text=tuple(a.eval_text), eval_every=a.eval_every, eval_tokens=a.eval_tokens)
+                   eval_text=tuple(a.eval_text), eval_every=a.eval_every, eval_tokens=a.eval_tokens,
+                   tp=a.tp, pp=a.pp, layout=a.layout)
 
 
 def main(job: HealJob) -> int:
     summary = run_heal(job)
+    if summary is None:  # a rank other than 0 under a launcher: rank 0 reports
+        return 0
     print(json.dumps({"out": str(job.out), "steps": summary["steps"], "tokens": summary["tokens"],
                       "first_kl": summary["first_kl"], "final_kl": summary["final_kl"],
                       "final_loss": summary["final_loss"], **({"eval": summary["eval"]} if "eval" in summary else {})}))

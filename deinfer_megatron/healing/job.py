@@ -26,11 +26,15 @@ from deinfer_megatron.files.text import read_text
 from deinfer_megatron.healing import state as run_state
 from deinfer_megatron.healing.data import HealData, build_data
 from deinfer_megatron.healing.loop import DISTILL, LoopSettings, train
+from deinfer_megatron.healing.ranks import FINAL, RankSettings, heal_on_ranks
 from deinfer_megatron.healing.watch import HeldOut
+from deinfer_megatron.launch.run import run_on_ranks
+from deinfer_megatron.models.build import check_parallel_sizes
 from deinfer_megatron.healing.student import TRAINABLE, load_student, load_teacher, student_tensors, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 DTYPES = ("float32", "bfloat16")
+LAYOUTS = ("deinfer", "naive")
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,9 @@ class HealJob:
     eval_every: int = 0
     eval_tokens: int = 2048
     overwrite: bool = False  # Python API only (the demo's cache): replace an --out this project wrote
+    tp: int = 1
+    pp: int = 1
+    layout: str = "deinfer"  # the student's parallel layout (logit distillation)
 
     def settings(self) -> dict[str, Any]:
         """What a resume must repeat (JSON-comparable)."""
@@ -101,6 +108,14 @@ def _check_numbers(job: HealJob) -> None:
         raise ValueError(f"unknown --train {job.train!r}; choose one of {', '.join(TRAINABLE)}")
     if job.distill not in DISTILL:
         raise ValueError(f"unknown --distill {job.distill!r}; choose one of {', '.join(DISTILL)}")
+    if job.layout not in LAYOUTS:
+        raise ValueError(f"--layout {job.layout!r} cannot heal: choose deinfer or naive (the dense layout "
+                         "multiplies the factors out, so there are no factors to train)")
+    if job.tp < 1 or job.pp < 1:
+        raise ValueError(f"--tp and --pp must be positive integers, got {job.tp} and {job.pp}")
+    if job.distill != "logits" and job.tp * job.pp > 1:
+        raise ValueError(f"--distill {job.distill} runs in one process only; use --distill logits with "
+                         "--tp/--pp, or drop --tp/--pp")
     if job.dtype not in DTYPES:
         raise ValueError(f"unknown --dtype {job.dtype!r}; choose float32 or bfloat16")
     if not job.calib_text and not job.calib_self:
@@ -120,6 +135,7 @@ def _check_models(job: HealJob) -> None:
         raise ValueError(f"--teacher {job.teacher} is itself decomposed; the teacher is the dense model "
                          "the student was decomposed from")
     student, teacher = load_arch(job.model), load_arch(job.teacher)
+    check_parallel_sizes(student, job.tp, job.pp)
     if student != teacher:
         field = next(k for k in asdict(student) if asdict(student)[k] != asdict(teacher)[k])
         raise ValueError(f"--model and --teacher are different architectures ({field}: "
@@ -160,13 +176,17 @@ def validate(job: HealJob) -> Path:
     return _check_output(job)
 
 
-def _data(job: HealJob, folder: Path, teacher: torch.nn.Module) -> HealData:
+def _data(job: HealJob, folder: Path, teacher: torch.nn.Module | None = None) -> HealData:
+    """The run's windows: the saved ones on a resume, else built (the teacher is loaded here if
+    conversations must be written and none was given) and saved before ``job.json``."""
     if job.resume:
         saved = run_state.load_torch(folder / "data.pt")
         return HealData(saved["windows"], saved["sources"])
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(job.teacher)
+    if teacher is None and job.calib_self:
+        teacher = load_teacher(job.teacher)
     data = build_data(tokenizer, teacher, job.calib_text, job.calib_self, seq_len=job.seq_len,
                       max_text_tokens=job.max_text_tokens, seed=job.seed)
     folder.mkdir(parents=True, exist_ok=True)  # a run killed before its job.json left at most data.pt
@@ -175,25 +195,60 @@ def _data(job: HealJob, folder: Path, teacher: torch.nn.Module) -> HealData:
     return data
 
 
-def run_heal(job: HealJob, on_record: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Heal ``job.model`` and write ``job.out``; returns a summary (also in the manifest)."""
-    folder = validate(job)
-    torch.manual_seed(job.seed)
-    start_time = time.perf_counter()
-    dec = open_model(job.model)
+def _rank_data(job: HealJob, folder: Path, rank: int) -> HealData:
+    """Rank 0 builds (or, resuming, reads) the windows; the others read what it saved."""
+    if rank == 0:
+        return _data(job, folder)
+    saved = run_state.load_torch(folder / "data.pt")
+    return HealData(saved["windows"], saved["sources"])
+
+
+def _held_out(job: HealJob, max_positions: int) -> HeldOut | None:
+    if not job.eval_text:
+        return None
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(job.teacher)
+    return HeldOut(tokenizer, job.eval_text, window=min(job.seq_len, max_positions), max_tokens=job.eval_tokens)
+
+
+def _rank_settings(job: HealJob, folder: Path) -> RankSettings:
+    s = job.loop_settings()
+    return RankSettings(model=job.model, teacher=job.teacher, state_folder=folder, tp=job.tp, pp=job.pp,
+                        layout=job.layout, train=job.train, lr=job.lr, warmup=job.warmup, batch=job.batch,
+                        seq_len=job.seq_len, steps=s.steps, seconds=s.seconds, ce_weight=job.ce_weight,
+                        seed=job.seed, save_every=job.save_every, bf16=s.bf16, eval_every=job.eval_every,
+                        json_log=job.json_log, resume=job.resume, clip=s.clip)
+
+
+def _parallel_heal(job: HealJob, folder: Path, dec: Any) -> tuple[dict[str, torch.Tensor], list, Any, list] | None:
+    """Logit distillation of the Megatron student on TP×PP ranks; None on ranks other than 0."""
+    from functools import partial
+
+    from deinfer_megatron.checkpoints.dist_checkpoint import read_hf_tensors
+
+    result = run_on_ranks(job.tp * job.pp, heal_on_ranks, _rank_settings(job, folder),
+                          partial(_rank_data, job, folder), _held_out(job, dec.arch.max_positions))
+    if result is None:
+        return None
+    tensors = read_hf_tensors(folder / FINAL, dec.arch, dec.rank_config)
+    names = set(dec.source)
+    missing = names - set(tensors)
+    assert not missing, f"the healed checkpoint lacks {sorted(missing)[:3]}"
+    saved = run_state.load_torch(folder / "data.pt")
+    return ({k: tensors[k].contiguous() for k in dec.source}, result["records"], result["teacher_eval"],
+            saved["sources"])
+
+
+def _one_process_heal(job: HealJob, folder: Path, dec: Any, on_record: Callable[[dict[str, Any]], None] | None
+                      ) -> tuple[dict[str, torch.Tensor], list, Any, list]:
+    """Block-wise distillation (and blocks-then-logits) of the Hugging Face factor-pair student."""
     teacher = load_teacher(job.teacher)
     data = _data(job, folder, teacher)
     student, names = load_student(dec, job.train)
     start = run_state.load_torch(folder / "state.pt") if job.resume and (folder / "state.pt").is_file() else None
-    held_out = evaluate = teacher_eval = None
-    if job.eval_text:
-        import transformers
-
-        tokenizer = transformers.AutoTokenizer.from_pretrained(job.teacher)
-        held_out = HeldOut(tokenizer, job.eval_text, window=min(job.seq_len, dec.arch.max_positions),
-                           max_tokens=job.eval_tokens)
-        teacher_eval = held_out.perplexity(teacher)
-        evaluate = held_out.perplexity
+    held_out = _held_out(job, dec.arch.max_positions)
+    teacher_eval = held_out.perplexity(teacher) if held_out is not None else None
     log_file = None
     if job.json_log is not None:
         log_file = open(job.json_log, "w", encoding="utf-8")
@@ -201,16 +256,40 @@ def run_heal(job: HealJob, on_record: Callable[[dict[str, Any]], None] | None = 
             log_file.write(json.dumps(record) + "\n")
     try:
         records = train(student, teacher, names, data, job.loop_settings(), state_folder=folder, start=start,
-                        log=log_file, on_record=on_record, evaluate=evaluate)
+                        log=log_file, on_record=on_record,
+                        evaluate=held_out.perplexity if held_out is not None else None)
     finally:
         if log_file is not None:
             log_file.close()
+    return student_tensors(student, dec.arch.tied_embeddings), records, teacher_eval, data.sources
+
+
+def run_heal(job: HealJob, on_record: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any] | None:
+    """Heal ``job.model`` and write ``job.out``; returns a summary (also in the manifest) on the
+    process that reports (global rank 0 under a launcher) and None on the other ranks.
+
+    ``--distill logits`` trains the project's Megatron student on ``tp × pp`` ranks
+    (``healing.ranks``); the block-wise modes train the Hugging Face factor-pair student in
+    this process (``healing.loop``), and only they call ``on_record`` with every step."""
+    folder = validate(job)
+    torch.manual_seed(job.seed)
+    start_time = time.perf_counter()
+    dec = open_model(job.model)
+    if job.distill == "logits":
+        done = _parallel_heal(job, folder, dec)
+        if done is None:
+            return None
+        tensors, records, teacher_eval, sources = done
+    else:
+        tensors, records, teacher_eval, sources = _one_process_heal(job, folder, dec, on_record)
+    data_count = sum(w.shape[0] for w in run_state.load_torch(folder / "data.pt")["windows"])
     steps = records[-1]["step"] if records else 0
     kl = [r["kl"] for r in records if "kl" in r]
     tail = kl[-min(10, len(kl)):]
     summary = {
         "teacher": str(job.teacher), "student": str(job.model),
-        "data": data.sources, "windows": data.count, "seq_len": job.seq_len,
+        "data": sources, "windows": data_count, "seq_len": job.seq_len,
+        "tp": job.tp, "pp": job.pp, "layout": job.layout if job.distill == "logits" else None,
         "steps": steps, "tokens": steps * job.batch * job.seq_len,
         "distill": job.distill,
         "final_kl": sum(tail) / len(tail) if tail else None,  # the mean of the last 10 logit steps
@@ -228,7 +307,7 @@ def run_heal(job: HealJob, on_record: Callable[[dict[str, Any]], None] | None = 
     base.pop("files", None)
     base.pop("format", None)
     write_decomposed(job.out, config=json.loads((job.model / "config.json").read_text()),
-                     tensors=student_tensors(student, dec.arch.tied_embeddings), rank_config=dec.rank_config,
+                     tensors=tensors, rank_config=dec.rank_config,
                      tokenizer_dir=job.model, inputs=(job.model, job.teacher), overwrite=job.overwrite,
                      metadata={**base, "healing": summary})
     run_state.remove(folder)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,19 +26,24 @@ class HeldOut:
                         for t in texts}
 
     def perplexity(self, model: nn.Module, batch: int = 4) -> dict[str, float]:
-        """Perplexity of ``model`` on every file (its train/eval mode restored afterwards)."""
+        """Perplexity of a Hugging Face ``model`` on every file (its train/eval mode restored afterwards)."""
         was_training = model.training
         model.eval()
-        out = {}
         try:
-            with torch.no_grad():
-                for name, windows in self.windows.items():
-                    nll, count = 0.0, 0
-                    for ids in windows.split(batch):
-                        logits = model(ids).logits[:, :-1].float()
-                        nll += F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").item()
-                        count += ids[:, 1:].numel()
-                    out[name] = math.exp(nll / count)
+            return self.perplexity_of(lambda ids: model(ids).logits, batch)
         finally:
             model.train(was_training)
+
+    def perplexity_of(self, logits_fn: Callable[[torch.Tensor], torch.Tensor], batch: int = 4) -> dict[str, float]:
+        """Perplexity on every file of the model whose ``[b, s, vocab]`` logits ``logits_fn``
+        computes from ``[b, s]`` ids (on TP×PP ranks: a collective every rank calls)."""
+        out = {}
+        with torch.no_grad():
+            for name, windows in self.windows.items():
+                nll, count = 0.0, 0
+                for ids in windows.split(batch):
+                    logits = logits_fn(ids)[:, :-1].float()
+                    nll += F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").item()
+                    count += ids[:, 1:].numel()
+                out[name] = math.exp(nll / count)
         return out

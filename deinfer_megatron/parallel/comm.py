@@ -382,3 +382,11 @@ def broadcast_bytes(payload: bytes | None, src: int, device: torch.device) -> by
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(data, src=src)
     return payload if payload is not None else bytes(data.cpu().numpy().tobytes())
+
+
+def world_barrier(device: torch.device) -> None:
+    """Wait until every rank of the job arrives (a checkpoint's files are complete); not a
+    model collective, not recorded."""
+    if dist.get_world_size() > 1:
+        flag = torch.zeros(1, device=device)
+        dist.all_reduce(flag)

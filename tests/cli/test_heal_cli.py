@@ -34,7 +34,7 @@ def test_resume_after_a_kill_ends_with_the_uninterrupted_weights(pair, tmp_path)
     out, log = tmp_path / "resumed", tmp_path / "log.jsonl"
     killed = run_cli(*_heal_args(pair, out, "--json", str(log)), tmp=tmp_path, env={ENV: "heal.after-checkpoint"})
     assert killed.code == -9, killed.stderr[-2000:]
-    assert not out.exists() and (state_dir(out) / "state.pt").is_file()  # nothing published, state kept
+    assert not out.exists() and (state_dir(out) / "checkpoint" / "meta.pt").is_file()  # nothing published, state kept
     resumed = run_cli(*_heal_args(pair, out, "--json", str(log), "--resume"), tmp=tmp_path)
     assert resumed.code == 0, resumed.stderr[-2000:]
     a, b = load_file(str(tmp_path / "whole" / "model.safetensors")), load_file(str(out / "model.safetensors"))
