@@ -2,14 +2,20 @@
 # Heal a decomposed model, then serve it over the OpenAI API and ask it one chat question.
 #
 #   examples/heal_then_serve.sh [--dense DIR | --smollm2] [--work DIR] [--port N] [--tokens N]
-#                               [--prompt TEXT] [--max-tokens N]
+#                               [--method svd|asvd|svd-llm] [--ratio R] [--prompt TEXT] [--max-tokens N]
 #
 # Without --dense or --smollm2 it makes a tiny random LLaMA-shaped dense model itself (SmolLM2's
 # tokenizer, two layers: a minute on two cores); --smollm2 takes the embedded SmolLM2-135M-Instruct
 # (`deinfer-megatron fetch-model`). Then, in the work folder:
-#   decompose (plain SVD, ratio 0.5 tiny / 0.8 SmolLM2) -> heal (--tokens, distilled from the dense
-#   model on conversations it writes itself) -> serve on 127.0.0.1 in the background -> one
-#   /v1/chat/completions request at temperature 0 -> print the answer -> stop the server.
+#   decompose (--method, default plain SVD; --ratio, default 0.5 tiny / 0.8 otherwise; asvd and
+#   svd-llm calibrate on 8 conversations the model writes) -> heal (--tokens, default 512,
+#   distilled from the dense model on conversations it writes itself) -> serve on 127.0.0.1 in
+#   the background -> one /v1/chat/completions request at temperature 0 -> print the answer ->
+#   stop the server.
+# The defaults show the path, not the quality: SmolLM2 cut by plain SVD and healed 512 tokens
+# answers gibberish (measured: 3 minutes on two loaded cores). A model that answers needs the
+# demo's recipe (svd-llm, variadic ranks, self-calibrated, then healed; docs/HEALING.md): run
+# `deinfer-megatron demo` for that; --method svd-llm and a larger --tokens here go that way.
 #
 # The work folder is --work (it must not exist) or a new mktemp folder; nothing is written
 # elsewhere (the embedded model is converted into deinfer-megatron's own cache). The folder is
@@ -19,7 +25,7 @@
 set -euo pipefail
 
 PYTHON="${PYTHON:-python3}"
-DENSE="" SMOLLM2=0 WORK="" PORT="" TOKENS=512 MAX_TOKENS=16
+DENSE="" SMOLLM2=0 WORK="" PORT="" TOKENS=512 MAX_TOKENS=16 METHOD=svd RATIO=""
 PROMPT="What is the capital of France?"
 
 die() { echo "heal_then_serve.sh: error: $*" >&2; exit 2; }
@@ -31,12 +37,16 @@ while [[ $# -gt 0 ]]; do
     --work) need "$@"; WORK="$2"; shift 2 ;;
     --port) need "$@"; PORT="$2"; shift 2 ;;
     --tokens) need "$@"; TOKENS="$2"; shift 2 ;;
+    --method) need "$@"; METHOD="$2"; shift 2 ;;
+    --ratio) need "$@"; RATIO="$2"; shift 2 ;;
     --prompt) need "$@"; PROMPT="$2"; shift 2 ;;
     --max-tokens) need "$@"; MAX_TOKENS="$2"; shift 2 ;;
-    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
+[[ "$METHOD" =~ ^(svd|asvd|svd-llm)$ ]] || die "--method must be svd, asvd or svd-llm, got $METHOD"
+[[ -z "$RATIO" || "$RATIO" =~ ^(0?\.[0-9]*[1-9][0-9]*|1(\.0*)?)$ ]] || die "--ratio must be in (0, 1], got $RATIO"
 [[ -n "$DENSE" && "$SMOLLM2" == 1 ]] && die "give --dense DIR or --smollm2, not both"
 [[ -z "$DENSE" || -f "$DENSE/config.json" ]] || die "--dense $DENSE is not a model folder (no config.json)"
 for pair in "--tokens:$TOKENS" "--max-tokens:$MAX_TOKENS" "--port:${PORT:-1}"; do
@@ -69,7 +79,7 @@ trap 'exit 143' TERM
 
 if [[ "$SMOLLM2" == 1 ]]; then
   DENSE="$(dm fetch-model smollm2-135m | tail -n 1)"
-  RATIO=0.8 SEQ=256
+  DEFAULT_RATIO=0.8 SEQ=256 LR=1e-4
 elif [[ -z "$DENSE" ]]; then
   DENSE="$WORK/dense"
   echo "making a tiny random dense model in $DENSE ..." >&2
@@ -94,16 +104,20 @@ for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json
     shutil.copy2(tokenizer / name, tmp / name)
 tmp.rename(out)
 PY
-  RATIO=0.5 SEQ=64
+  DEFAULT_RATIO=0.5 SEQ=64 LR=1e-3
 else
-  RATIO=0.8 SEQ=256
+  DEFAULT_RATIO=0.8 SEQ=256 LR=1e-4
 fi
+RATIO="${RATIO:-$DEFAULT_RATIO}"
+CALIB=()
+[[ "$METHOD" == svd ]] || CALIB=(--calib-self 8 --calib-seq-len "$SEQ")
 
-echo "decomposing $DENSE (svd, ratio $RATIO) ..." >&2
-dm decompose --model "$DENSE" --method svd --ratio "$RATIO" --out "$WORK/decomposed" >&2
+echo "decomposing $DENSE ($METHOD, ratio $RATIO) ..." >&2
+dm decompose --model "$DENSE" --method "$METHOD" --ratio "$RATIO" ${CALIB[@]+"${CALIB[@]}"} \
+  --out "$WORK/decomposed" >&2
 echo "healing it ($TOKENS tokens of distillation) ..." >&2
 dm heal --model "$WORK/decomposed" --teacher "$DENSE" --calib-self 4 --tokens "$TOKENS" --batch 2 \
-  --seq-len "$SEQ" --warmup 1 --lr 1e-3 --save-every 0 --out "$WORK/healed" --json "$WORK/heal.jsonl" >&2
+  --seq-len "$SEQ" --warmup 1 --lr "$LR" --save-every 0 --out "$WORK/healed" --json "$WORK/heal.jsonl" >&2
 
 [[ -n "$PORT" ]] || PORT="$("$PYTHON" -c 'from deinfer_megatron.launch.local import free_port; print(free_port())')"
 echo "serving $WORK/healed on 127.0.0.1:$PORT (log: $WORK/serve.log) ..." >&2

@@ -47,6 +47,8 @@ import torch
 
 @dataclass(frozen=True)
 class Settings:
+    """The parsed command line (picklable: ``launch.run.run_on_ranks`` hands it to the rank)."""
+
     model: Path
     teacher: Path
     text: Path
@@ -62,6 +64,8 @@ class Settings:
 
 
 class OneLineParser(argparse.ArgumentParser):
+    """argparse's own errors (unknown flag, bad choice) as one line, like the checks below."""
+
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ValueError(message)
 
@@ -124,7 +128,8 @@ def _windows(s: Settings) -> torch.Tensor:
 
 
 def _batches(n: int, batch: int) -> list[torch.Tensor]:
-    """Window indices of step i: windows i·batch ... taken round the data."""
+    """The window indices of every step of one epoch: consecutive ``batch``-sized runs, the
+    last one wrapped round to the first windows."""
     return [torch.arange(i * batch, (i + 1) * batch) % n for i in range(max(1, -(-n // batch)))]
 
 

@@ -215,6 +215,8 @@ def test_heal_then_serve_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
                           (("--tokens", "0"), "--tokens must be a positive integer"),
                           (("--dense", str(tmp_path)), "is not a model folder"),
                           (("--dense", str(tmp_path), "--smollm2"), "not both"),
+                          (("--method", "pca"), "--method must be svd, asvd or svd-llm"),
+                          (("--ratio", "1.5"), "--ratio must be in (0, 1]"),
                           (("--bogus",), "unknown argument --bogus")):
         proc = _run_heal_then_serve(*args, timeout=30)
         lines = proc.stderr.strip().splitlines()
