@@ -169,3 +169,56 @@ def test_load_at_other_tp_generates_the_multiplied_out_tokens(tmp_path: Path) ->
         want = hf.generate(got["input_ids"], max_new_tokens=got["tokens"].shape[1], do_sample=False,
                            eos_token_id=None, pad_token_id=0)
     assert torch.equal(got["tokens"], want[:, got["input_ids"].shape[1]:])
+
+
+HEAL_THEN_SERVE = REPO_ROOT / "examples" / "heal_then_serve.sh"
+
+
+def _run_heal_then_serve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(["bash", str(HEAL_THEN_SERVE), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_heal_then_serve_answers_what_generate_answers(tmp_path: Path, capfd) -> None:
+    """examples/heal_then_serve.sh on its own tiny model: the served greedy chat answer is the
+    one `deinfer-megatron generate --chat --greedy` gives on the healed folder, the folder's
+    manifest records the healing, and the server is gone when the script returns."""
+    import json
+
+    from deinfer_megatron.checkpoints.folder import MANIFEST
+    from deinfer_megatron.cli.main import run
+
+    work = tmp_path / "work"
+    proc = _run_heal_then_serve("--work", str(work), "--max-tokens", "8", "--tokens", "256")
+    assert proc.returncode == 0, f"the example failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    with pytest.raises(ProcessLookupError):  # stopped and reaped by the script's trap
+        os.kill(got["server_pid"], 0)
+    assert sorted(p.name for p in work.iterdir()) == ["decomposed", "dense", "heal.jsonl", "healed", "serve.log"]
+    healing = json.loads((work / "healed" / MANIFEST).read_text())["healing"]
+    assert healing["teacher"] == str(work / "dense") and healing["student"] == str(work / "decomposed")
+    assert healing["steps"] == 2 and healing["tokens"] == 256 and healing["first_kl"] > 0
+
+    capfd.readouterr()
+    assert run(["generate", "--model", got["healed"], "--chat", "--greedy", "--prompt", got["prompt"],
+                "--max-new-tokens", "8", "--json"]) == 0
+    want = json.loads(capfd.readouterr().out)["outputs"][0]
+    assert got["answer"] == want["text"] and want["text"].strip()
+    assert got["usage"]["completion_tokens"] == len(want["token_ids"])
+
+
+def test_heal_then_serve_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "taken").mkdir()
+    for args, message in ((("--work", str(tmp_path / "taken")), "exists; name a folder that does not"),
+                          (("--tokens", "0"), "--tokens must be a positive integer"),
+                          (("--dense", str(tmp_path)), "is not a model folder"),
+                          (("--dense", str(tmp_path), "--smollm2"), "not both"),
+                          (("--method", "pca"), "--method must be svd, asvd or svd-llm"),
+                          (("--ratio", "1.5"), "--ratio must be in (0, 1]"),
+                          (("--bogus",), "unknown argument --bogus")):
+        proc = _run_heal_then_serve(*args, timeout=30)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], (args, proc.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"] and not any((tmp_path / "taken").iterdir())
