@@ -18,40 +18,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors.torch import load_file
 from torch import nn
 
-
-class FactorPair(nn.Module):
-    def __init__(self, u: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.v = nn.Linear(v.shape[1], v.shape[0], bias=False)
-        self.u = nn.Linear(u.shape[1], u.shape[0], bias=bias is not None)
-        with torch.no_grad():
-            self.v.weight.copy_(v)
-            self.u.weight.copy_(u)
-            if bias is not None:
-                self.u.bias.copy_(bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.u(self.v(x))
+from deinfer_megatron.models.hf_factored import FactorLinears, hf_model
 
 
 def student(folder: Path) -> nn.Module:
-    state = load_file(str(folder / "model.safetensors"))
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder),
-                                                          dtype=torch.float32)
-    modules = dict(model.named_modules())
-    for name in json.loads((folder / "rank_config.json").read_text()):  # module name → rank
-        parent, _, leaf = name.rpartition(".")
-        setattr(modules[parent], leaf, FactorPair(state.pop(f"{name}.u"), state.pop(f"{name}.v"),
-                                                  state.pop(f"{name}.bias", None)))
-    model.load_state_dict(state, strict=False)
-    if model.config.tie_word_embeddings:
-        model.tie_weights()
-    model.requires_grad_(False)
+    """The decomposed folder as Hugging Face + ``nn.Linear`` factor pairs (the package's builder,
+    also the bench's ``hf`` peer), with only the factor pairs trainable."""
+    model = hf_model(folder)
     for module in model.modules():
-        if isinstance(module, FactorPair):
+        if isinstance(module, FactorLinears):
             module.requires_grad_(True)
     return model.train()
 

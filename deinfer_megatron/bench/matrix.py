@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -21,6 +21,9 @@ from deinfer_megatron.bench.records import Cell, CellRecord, CellStatus, PlanTot
 from deinfer_megatron.bench.sources import ModelSource
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.specs.layout import AUTO, Layout, LayoutPlan
+
+if TYPE_CHECKING:
+    from deinfer_megatron.bench.peers import Peer
 
 LAYOUTS: tuple[Layout | str, ...] = (AUTO, *Layout)  # auto: the cost model's plan per cell
 KV_CACHES: tuple[CacheKind, ...] = tuple(CacheKind)
@@ -43,6 +46,7 @@ class BenchGrid:
     seed: int = 0
     roofline: bool = False  # also measure this machine's rates and bound each decode step
     cell_timeout_s: float = 1800.0
+    peers: tuple[Peer, ...] = ()  # other implementations beside the cells (``bench.peers``)
 
 
 @dataclass(frozen=True)
@@ -63,15 +67,17 @@ class BenchConfig:
     outputs: BenchOutputs = field(default_factory=BenchOutputs)
 
     def to_json(self) -> dict[str, Any]:
-        """The document's ``args``: every option, by its name in earlier documents."""
+        """The document's ``args``: every option, by its name in earlier documents (``peers``
+        only when asked for, so that a run without them has the earlier documents' keys)."""
         g, o = self.grid, self.outputs
         path = lambda p: None if p is None else str(p)  # noqa: E731
-        return {"model": path(g.model), "synthetic": g.synthetic, "ratio": g.ratio,
+        args = {"model": path(g.model), "synthetic": g.synthetic, "ratio": g.ratio,
                 "layouts": [getattr(l, "value", l) for l in g.layouts], "kv_caches": [k.value for k in g.kv_caches],
                 "tps": list(g.tps), "batches": list(g.batches), "prompt_lens": list(g.prompt_lens),
                 "gen_len": g.gen_len, "repeats": g.repeats, "seed": g.seed, "json": path(o.json),
                 "markdown": path(o.markdown), "plot": path(o.plot), "roofline": g.roofline,
                 "cell_timeout_s": g.cell_timeout_s, "progress": o.progress}
+        return {**args, "peers": [p.value for p in g.peers]} if g.peers else args
 
 
 def check_config(cfg: BenchConfig) -> None:

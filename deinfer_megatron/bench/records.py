@@ -232,3 +232,103 @@ class Comparison:
         return {"tp": self.tp, "batch": self.batch, "prompt_len": self.prompt_len, "kv_cache": self.kv_cache.value,
                 "deinfer_tokens_per_s": self.deinfer_tokens_per_s, "speedup_vs_naive": self.speedups.vs_naive,
                 "speedup_vs_dense": self.speedups.vs_dense}
+
+
+@dataclass(frozen=True)
+class PeerMeasurement:
+    """Everything one process of a peer measured (``bench --peers``), as a cell's rank does."""
+
+    rank: int
+    threads: int  # torch threads it ran with
+    load_s: float
+    warmup: Sample
+    samples: tuple[Sample, ...]
+    tokens: tuple[tuple[int, ...], ...]  # the warm-up run's greedy tokens, row by row
+    peak_rss_bytes: int
+    peak_rss_generate_bytes: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "threads": self.threads, "load_s": self.load_s, "warmup": self.warmup.to_json(),
+                "samples": [s.to_json() for s in self.samples], "tokens": [list(t) for t in self.tokens],
+                "peak_rss_bytes": self.peak_rss_bytes, "peak_rss_generate_bytes": self.peak_rss_generate_bytes}
+
+
+@dataclass(frozen=True)
+class PeerSummary:
+    """A measured peer in figures: process 0's medians over the timed repeats (as ``Summary``)."""
+
+    ttft_s: float
+    prefill_s: float
+    tpot_s: float
+    tpot_min_s: float
+    tpot_max_s: float
+    decode_tokens_per_s: float
+    output_tokens_per_s: float
+    peak_rss_bytes: tuple[int, ...]
+    peak_rss_max_bytes: int
+    load_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out["peak_rss_bytes"] = list(self.peak_rss_bytes)
+        return out
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    """Another implementation run beside the cells of one (TP, batch, prompt length)."""
+
+    peer: str  # "hf" | "deepspeed"
+    tp: int  # the cells it stands beside
+    batch: int
+    prompt_len: int
+    gen_len: int
+    repeats: int
+    processes: int
+    threads_per_process: int
+    status: CellStatus
+    reason: str | None = None  # skipped
+    error: str | None = None  # failed: its one-line error
+    wall_s: float | None = None
+    ranks: tuple[PeerMeasurement, ...] = ()
+    summary: PeerSummary | None = None
+
+    def label(self) -> str:
+        return f"{self.peer} ({self.processes}×{self.threads_per_process}) tp={self.tp} b={self.batch} ctx={self.prompt_len}"
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"peer": self.peer, "tp": self.tp, "batch": self.batch, "prompt_len": self.prompt_len,
+                               "gen_len": self.gen_len, "repeats": self.repeats, "processes": self.processes,
+                               "threads_per_process": self.threads_per_process, "status": self.status.value}
+        if self.status is CellStatus.SKIPPED:
+            return {**out, "reason": self.reason}
+        if self.status is CellStatus.ERROR:
+            return {**out, "error": self.error, "wall_s": self.wall_s}
+        out["wall_s"] = self.wall_s
+        out["ranks"] = [r.to_json() for r in self.ranks]
+        if self.summary is not None:
+            out["summary"] = self.summary.to_json()
+        return out
+
+
+@dataclass(frozen=True)
+class PeerRatio:
+    """A layout's decode tokens/s ÷ a peer's, in the same (TP, batch, prompt length)."""
+
+    layout: str
+    kv_cache: CacheKind
+    peer: str
+    tp: int
+    batch: int
+    prompt_len: int
+    layout_tokens_per_s: float
+    peer_tokens_per_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.layout_tokens_per_s / self.peer_tokens_per_s
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layout": self.layout, "kv_cache": self.kv_cache.value, "peer": self.peer, "tp": self.tp,
+                "batch": self.batch, "prompt_len": self.prompt_len, "layout_tokens_per_s": self.layout_tokens_per_s,
+                "peer_tokens_per_s": self.peer_tokens_per_s, "ratio": self.ratio}

@@ -4,7 +4,9 @@ Summaries take rank 0's timings (ranks meet in every collective, so their steps 
 every rank's memory. A figure is the median over the timed repeats; the warm-up run is kept in
 the raw data but never summarised. Speed-ups compare the deinfer layout with the two baselines
 (full KV cache) in the same (TP, batch, prompt length) cell: deinfer decode tokens/s ÷ the
-baseline's, so above 1 means DeInfer is faster. Files are written atomically (temp + rename).
+baseline's, so above 1 means DeInfer is faster. Peers (``bench --peers``) are rows beside the
+cells of their (TP, batch, prompt length), with every layout's tokens/s ÷ theirs. Files are
+written atomically (temp + rename).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from deinfer_megatron.bench.records import CellRecord, CellStatus, Comparison, Speedups, Summary
+from deinfer_megatron.bench.records import (CellRecord, CellStatus, Comparison, PeerRatio, PeerRecord, Speedups,
+                                            Summary)
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.specs.layout import Layout
 
@@ -91,6 +94,8 @@ class BenchDocument:
     cells: tuple[CellRecord, ...]
     comparisons: tuple[Comparison, ...]
     roofline: dict[str, Any] | None  # this machine's rates (roofline.measure_machine), when measured
+    peers: tuple[PeerRecord, ...] = ()  # ``--peers``: written only when asked for
+    peer_ratios: tuple[PeerRatio, ...] = ()
 
     def counts(self) -> dict[str, int]:
         return {s.value: sum(r.status is s for r in self.cells) for s in CellStatus}
@@ -98,14 +103,19 @@ class BenchDocument:
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "host": self.host, "args": self.args, "model": self.model,
                 "counts": self.counts(), "cells": [r.to_json() for r in self.cells],
-                "comparisons": [c.to_json() for c in self.comparisons], "roofline": self.roofline}
+                "comparisons": [c.to_json() for c in self.comparisons], "roofline": self.roofline,
+                **({"peers": [p.to_json() for p in self.peers], "peer_ratios": [r.to_json() for r in self.peer_ratios]}
+                   if self.peers else {})}
 
 
 def document(cfg: Any, source: Any, records: list[CellRecord], machine: dict[str, Any] | None,
-             host: dict[str, Any]) -> BenchDocument:
-    """The report of a finished matrix (summarised records; speed-ups are computed here)."""
+             host: dict[str, Any], peers: list[PeerRecord] | tuple[PeerRecord, ...] = ()) -> BenchDocument:
+    """The report of a finished matrix (summarised records; speed-ups and peer ratios are computed here)."""
+    from deinfer_megatron.bench.peers import ratios
+
     cells, rows = compare(records)
-    return BenchDocument(host, cfg.to_json(), source.describe(), tuple(cells), tuple(rows), machine)
+    return BenchDocument(host, cfg.to_json(), source.describe(), tuple(cells), tuple(rows), machine,
+                         tuple(peers), tuple(ratios(cells, peers)))
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -148,9 +158,43 @@ def _row(rec: CellRecord) -> list[str]:
         _x(speedups.vs_naive), _x(speedups.vs_dense), "-" if bound is None else f"{bound.bound_s * 1e3:.2f}"]
 
 
-def text_table(records: list[CellRecord] | tuple[CellRecord, ...]) -> str:
+def _peer_row(rec: PeerRecord) -> list[str]:
+    head = [f"{rec.peer} {rec.processes}x{rec.threads_per_process}", "-", str(rec.tp), str(rec.batch),
+            str(rec.prompt_len)]
+    s = rec.summary
+    if rec.status is not CellStatus.OK or s is None:
+        return head + [f"{rec.status.value}: {rec.reason or rec.error or ''}"]
+    return head + [f"{s.ttft_s * 1e3:.1f}", f"{s.tpot_s * 1e3:.2f}", f"{s.decode_tokens_per_s:.1f}",
+                   f"{s.output_tokens_per_s:.1f}", _mb(s.peak_rss_max_bytes)] + ["-"] * 7
+
+
+def _rows(records: list[CellRecord] | tuple[CellRecord, ...], peers: tuple[PeerRecord, ...] = ()) -> list[list[str]]:
+    """The cells' rows, each group's peers right after its last cell (the rest at the end)."""
+    pending = list(peers)
+    rows = []
+    for i, rec in enumerate(records):
+        rows.append(_row(rec))
+        key = (rec.cell.tp, rec.cell.batch, rec.cell.prompt_len)
+        nxt = records[i + 1].cell if i + 1 < len(records) else None
+        if nxt is None or (nxt.tp, nxt.batch, nxt.prompt_len) != key:
+            rows += [_peer_row(p) for p in pending if (p.tp, p.batch, p.prompt_len) == key]
+            pending = [p for p in pending if (p.tp, p.batch, p.prompt_len) != key]
+    return rows + [_peer_row(p) for p in pending]
+
+
+def peer_ratio_lines(ratios: tuple[PeerRatio, ...] | list[PeerRatio]) -> list[str]:
+    """One line per layout and group: its decode tokens/s ÷ each peer's."""
+    lines: dict[tuple, list[str]] = {}
+    for r in ratios:
+        key = (r.layout, r.kv_cache.value, r.tp, r.batch, r.prompt_len)
+        lines.setdefault(key, []).append(f"{r.ratio:.2f}x {r.peer}")
+    return [f"{layout}/{kv} tp={tp} b={batch} ctx={ctx} decode tok/s vs peers: {', '.join(v)}"
+            for (layout, kv, tp, batch, ctx), v in lines.items()]
+
+
+def text_table(records: list[CellRecord] | tuple[CellRecord, ...], peers: tuple[PeerRecord, ...] = ()) -> str:
     """The compact table printed to stdout; a skipped or failed cell's reason runs past its row."""
-    rows = [list(_COLUMNS)] + [_row(r) for r in records]
+    rows = [list(_COLUMNS)] + _rows(records, peers)
     widths = [max(len(r[i]) for r in rows if len(r) == len(_COLUMNS)) for i in range(len(_COLUMNS))]
     lines = []
     for r in rows:
@@ -183,8 +227,8 @@ def markdown(doc: BenchDocument) -> str:
              f"Host: {host['cpus']} CPUs, load {host['load_avg_start']} at start, "
              f"{host['load_avg_end']} at end; torch {host['torch']}, {host['threads_per_rank']} thread(s) per rank.",
              "", "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
-    for r in doc.cells:
-        cells = _row(r) + [""] * (len(_COLUMNS) - len(_row(r)))
+    for row in _rows(doc.cells, doc.peers):
+        cells = row + [""] * (len(_COLUMNS) - len(row))
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     if doc.comparisons:
         lines += ["", "## DeInfer decode speed-up (deinfer tokens/s ÷ baseline tokens/s)", "",
@@ -192,6 +236,15 @@ def markdown(doc: BenchDocument) -> str:
         lines += [f"| {c.tp} | {c.batch} | {c.prompt_len} | {c.kv_cache.value} | "
                   f"{c.deinfer_tokens_per_s:.1f} | {_x(c.speedups.vs_naive)} | {_x(c.speedups.vs_dense)} |"
                   for c in doc.comparisons]
+    if doc.peer_ratios:
+        lines += ["", "## Layouts against the peers (layout decode tokens/s ÷ peer decode tokens/s)", "",
+                  "Peers: hf = Hugging Face transformers on the decomposed folder, factor pairs as nn.Linear, "
+                  "1 process × TP threads; deepspeed = DeepSpeed AutoTP (init_inference, tp_size TP, float32) "
+                  "on the multiplied-out weights, TP processes × 1 thread. Both: transformers' DynamicCache.", "",
+                  "| layout | kv | tp | batch | ctx | peer | layout tok/s | peer tok/s | layout ÷ peer |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r.layout} | {r.kv_cache.value} | {r.tp} | {r.batch} | {r.prompt_len} | {r.peer} | "
+                  f"{r.layout_tokens_per_s:.1f} | {r.peer_tokens_per_s:.1f} | {_x(r.ratio)} |" for r in doc.peer_ratios]
     machine = doc.roofline
     if machine:
         gemm = ", ".join(f"{g['m']}×{g['k']}×{g['n']}: {g['gflops']:.1f}" for g in machine["gemm"])

@@ -2,7 +2,8 @@
 
 Every (layout, KV cache, TP, batch, prompt length) cell runs in fresh ranks with the project's
 own generation loop; the report has per-repeat timings, peak RSS, KV bytes and the collectives
-of one decode step (checked against the planner), and optionally a roofline bound.
+of one decode step (checked against the planner), and optionally a roofline bound. ``--peers``
+adds other implementations (Hugging Face, DeepSpeed AutoTP) beside the cells, in the same run.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from deinfer_megatron.bench.matrix import BenchConfig, BenchGrid, BenchOutputs
+from deinfer_megatron.bench.peers import Peer
 from deinfer_megatron.generation.options import latent_cache_layouts
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.specs.layout import Layout, layout_option_names, parse_layout_option
@@ -81,6 +83,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--markdown", type=Path, help="the tables as Markdown")
     p.add_argument("--plot", type=Path, help="PNG: decode tokens/s vs batch per TP, elements per token")
     p.add_argument("--roofline", action="store_true", help="measure copy/GEMM/collective rates; bound each step")
+    p.add_argument("--peers", type=_names,
+                   help="also time other implementations beside the cells: hf (transformers, factor pairs, "
+                        "1 process × TP threads), deepspeed (AutoTP on the multiplied-out weights, TP ranks)")
     p.add_argument("--cell-timeout", type=float, default=1800.0, help="seconds before a cell is recorded as failed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(make_config=config_from_args, run=main)
@@ -90,12 +95,17 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
     if a.ratio is not None and a.model is not None:
         raise ValueError("--ratio applies to --synthetic; decompose the folder with "
                          "`deinfer-megatron decompose --ratio R` and bench the decomposed folder")
+    peers: tuple[Peer, ...] = ()
+    if a.peers is not None:
+        peers = _members("--peers", a.peers, Peer.parse, Peer)
+        if not peers:
+            raise ValueError(f"--peers needs at least one of {','.join(p.value for p in Peer)}")
     grid = BenchGrid(
         model=a.model, synthetic=a.synthetic, ratio=DEFAULT_RATIO if a.ratio is None else a.ratio,
         layouts=_layouts(a.layouts),
         kv_caches=_members("--kv-cache", a.kv_cache, CacheKind.parse, CacheKind),
         tps=a.tp, batches=a.batch, prompt_lens=a.prompt_len, gen_len=a.gen_len, repeats=a.repeats,
-        seed=a.seed, roofline=a.roofline, cell_timeout_s=a.cell_timeout)
+        seed=a.seed, roofline=a.roofline, cell_timeout_s=a.cell_timeout, peers=peers)
     outputs = BenchOutputs(json=a.json, markdown=a.markdown, plot=a.plot, progress=not a.no_progress)
     return BenchConfig(grid, outputs)
 
@@ -131,6 +141,7 @@ def _source(grid: BenchGrid, workdir: Path) -> Any:
 
 def main(cfg: BenchConfig) -> int:
     from deinfer_megatron.bench import matrix, report, roofline
+    from deinfer_megatron.bench import peers as peer_runs
     from deinfer_megatron.bench.records import CellStatus
 
     grid, outputs = cfg.grid, cfg.outputs
@@ -146,11 +157,12 @@ def main(cfg: BenchConfig) -> int:
             print("measuring copy bandwidth, GEMM rate and collective latency ...", file=sys.stderr)
             machine = roofline.measure_machine(roofline.sizes_for(source.arch, grid.batches))
         records = matrix.run_matrix(grid, source, progress=outputs.progress)
+        peers = peer_runs.run_peers(grid, source, progress=outputs.progress)
     records = [report.summarize(r) if r.status is CellStatus.OK else r for r in records]
     if machine is not None:
         records = [replace(r, roofline=roofline.step_bound(r, source.arch, machine)) if r.status is CellStatus.OK
                    else r for r in records]
-    doc = report.document(cfg, source, records, machine, _host(start_load, started))
+    doc = report.document(cfg, source, records, machine, _host(start_load, started), peers)
     if outputs.json is not None:
         import json
 
@@ -161,10 +173,13 @@ def main(cfg: BenchConfig) -> int:
         from deinfer_megatron.bench.plot import render_png
 
         report.write_atomic(outputs.plot, render_png(doc))
-    print(report.text_table(doc.cells))
-    for line in report.roofline_lines(doc.cells):
+    print(report.text_table(doc.cells, doc.peers))
+    for line in report.roofline_lines(doc.cells) + report.peer_ratio_lines(doc.peer_ratios):
         print(line)
     failed = [r for r in doc.cells if r.status is CellStatus.ERROR]
     for r in failed:
         print(f"failed: {r.cell.label()}: {r.error}", file=sys.stderr)
-    return 1 if failed else 0
+    failed_peers = [p for p in doc.peers if p.status is CellStatus.ERROR]
+    for p in failed_peers:
+        print(f"failed: {p.label()}: {p.error}", file=sys.stderr)
+    return 1 if failed or failed_peers else 0

@@ -1,8 +1,9 @@
 """``deinfer-megatron bench`` as users run it (a subprocess through the CLI), checked field by
 field, with the collectives of one decode step compared with ``make_plan`` computed here and
 the speed-ups recomputed from the cells' own summaries; the JSON's keys against the documents
-committed in docs/bench; the roofline at tiny sizes; skipped and failed cells; one-line errors
-for bad input."""
+committed in docs/bench; the roofline at tiny sizes; skipped and failed cells; the peers
+(``--peers hf,deepspeed``) beside the cells, their greedy tokens against the project's; one-line
+errors for bad input."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from deinfer_megatron.bench import matrix, report, roofline
 from deinfer_megatron.bench.sources import ModelSource
@@ -108,23 +110,31 @@ def test_speedups_and_reports(tiny) -> None:
     assert not list(tmp.glob(".*.tmp")), "atomic writes leave no temporary files"
 
 
-def test_auto_cells_run_the_cost_models_plan(tmp_path) -> None:
-    """An ``auto`` cell builds the plan the cost model chooses for its TP, batch and context
-    (here an injected table, planted in the cache, where only collective elements cost time),
-    and reports it beside the fixed layouts."""
+@pytest.fixture(scope="module")
+def auto_and_peers(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dict]:
+    """``auto`` and ``deinfer`` at TP=2, with both peers beside them (one launch for all)."""
     from tests.helpers.cost_tables import elements_only
     from deinfer_megatron.planning import cost_model
 
+    tmp_path = tmp_path_factory.mktemp("auto-peers")
     table = elements_only()
     key = cost_model.TableKey.current(1)
     cost_model.save(cost_model.CostTable(key, table.gemm, table.memory_bytes_per_s, table.collectives),
                     cost_model.cache_path(key, tmp_path / "cache" / "cost_model"))
     proc = subprocess.run([*CLI, "--synthetic", "llama-tiny", "--tp", "2", "--batch", "2", "--gen-len", str(GEN_LEN),
-                           "--repeats", "1", "--layouts", "auto,deinfer", "--json", "out.json"],
+                           "--repeats", "1", "--layouts", "auto,deinfer", "--peers", "hf,deepspeed",
+                           "--json", "out.json", "--markdown", "out.md"],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "DEINFER_MEGATRON_CACHE": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads((tmp_path / "out.json").read_text())
+    return tmp_path, proc, json.loads((tmp_path / "out.json").read_text())
+
+
+def test_auto_cells_run_the_cost_models_plan(auto_and_peers) -> None:
+    """An ``auto`` cell builds the plan the cost model chooses for its TP, batch and context
+    (here an injected table, planted in the cache, where only collective elements cost time),
+    and reports it beside the fixed layouts."""
+    _, proc, doc = auto_and_peers
     cells = {c["layout"]: c for c in doc["cells"]}
     assert set(cells) == {"auto", "deinfer"} and doc["counts"]["ok"] == 2
     # llama-tiny keeps 60 % of its parameters: its ranks are high, so in every block dense sends
@@ -138,6 +148,104 @@ def test_auto_cells_run_the_cost_models_plan(tmp_path) -> None:
             plan["collectives_per_token"], plan["elements_per_token"]), name
         assert s["plan_match"] and s["decode_tokens_per_s"] > 0, name
     assert any(line.startswith("| auto") or line.split()[:1] == ["auto"] for line in proc.stdout.splitlines())
+
+
+def test_peers_run_beside_the_cells_with_ratios(auto_and_peers) -> None:
+    """Hugging Face (1 process × 2 threads) and DeepSpeed AutoTP (2 ranks × 1 thread) measured as
+    the cells are, and every layout's decode tokens/s ÷ every peer's."""
+    tmp, proc, doc = auto_and_peers
+    assert doc["args"]["peers"] == ["hf", "deepspeed"]
+    peers = {p["peer"]: p for p in doc["peers"]}
+    assert set(peers) == {"hf", "deepspeed"}
+    assert (peers["hf"]["processes"], peers["hf"]["threads_per_process"]) == (1, 2)
+    assert (peers["deepspeed"]["processes"], peers["deepspeed"]["threads_per_process"]) == (2, 1)
+    for name, p in peers.items():
+        assert p["status"] == "ok" and (p["tp"], p["batch"], p["prompt_len"]) == (2, 2, 128), name
+        s = p["summary"]
+        for key in ("ttft_s", "prefill_s", "tpot_s", "decode_tokens_per_s", "output_tokens_per_s",
+                    "peak_rss_max_bytes", "load_s"):
+            assert s[key] > 0, f"{name}: {key}"
+        assert s["decode_tokens_per_s"] == pytest.approx(2 / s["tpot_s"]) and len(p["ranks"]) == p["processes"]
+        for rank in p["ranks"]:
+            assert rank["threads"] == p["threads_per_process"] and rank["peak_rss_bytes"] > 0, name
+            assert len(rank["samples"]) == 1 and rank["warmup"]["tpot_s"] > 0, name
+            sample = rank["samples"][0]
+            assert len(sample["step_s"]) == GEN_LEN - 1 and min(sample["step_s"]) > 0, name
+            assert sample["new_tokens"] == 2 * GEN_LEN and sample["prefill_s"] <= sample["ttft_s"], name
+            assert [len(t) for t in rank["tokens"]] == [GEN_LEN, GEN_LEN], name
+    cells = {c["layout"]: c["summary"]["decode_tokens_per_s"] for c in doc["cells"]}
+    got = {(r["layout"], r["peer"]): r for r in doc["peer_ratios"]}
+    assert set(got) == {(l, p) for l in ("auto", "deinfer") for p in ("hf", "deepspeed")}
+    for (layout, peer), r in got.items():
+        assert r["ratio"] == cells[layout] / peers[peer]["summary"]["decode_tokens_per_s"], (layout, peer)
+    lines = proc.stdout.splitlines()
+    assert sum(line.split()[:1] in (["hf"], ["deepspeed"]) for line in lines) == 2, "one table row per peer"
+    assert any(line.startswith("deinfer/full tp=2 b=2 ctx=128 decode tok/s vs peers:") and "x hf" in line
+               and "x deepspeed" in line for line in lines)
+    assert not any(line.startswith("AutoTP") for line in lines), "DeepSpeed's prints stay off the table"
+    md = (tmp / "out.md").read_text()
+    assert "| hf 1x2 | - | 2 | 2 | 128 |" in md and "| deepspeed 2x1 | - | 2 | 2 | 128 |" in md
+    assert md.count("| deinfer | full | 2 | 2 | 128 | hf |") == 1 and "## Layouts against the peers" in md
+
+
+def _project_tokens(folder: str, prompts: tuple, gen_len: int) -> list[list[int]]:
+    from deinfer_megatron.generation.context import GenerationContext
+    from deinfer_megatron.generation.loop import generate_tokens
+    from deinfer_megatron.generation.sampling import SamplingParams
+    from deinfer_megatron.models.build import load_folder
+    from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+
+    groups = init_parallel(1, 1)
+    try:
+        stage = load_folder(Path(folder), Layout.DEINFER, groups)
+        outs, _ = generate_tokens(stage, [list(p) for p in prompts], max_new_tokens=gen_len, params=SamplingParams(),
+                                  context=GenerationContext(len(prompts), len(prompts[0]) + gen_len))
+        return [o.token_ids for o in outs]
+    finally:
+        shutdown()
+
+
+def test_peer_tokens_equal_the_projects_tp1_tokens(auto_and_peers, tmp_path) -> None:
+    """The bench's Hugging Face peer (``models.hf_factored`` on the decomposed folder) generates the
+    project's TP=1 greedy tokens on the same weights and prompts; DeepSpeed AutoTP at TP=2 (on the
+    multiplied-out weights) generates the Hugging Face peer's."""
+    from deinfer_megatron.bench.sources import synthetic_source
+    from deinfer_megatron.models.hf_factored import FactorLinears, hf_model
+    from tests.helpers.distributed import run_ranks
+
+    _, _, doc = auto_and_peers
+    source = synthetic_source("llama-tiny", 0.6, 0, tmp_path)  # the bench's draw: same seed, same weights
+    prompts = matrix.random_prompts(source.arch.vocab_size, 2, 128, 0)
+    expected = run_ranks(1, _project_tokens, str(source.decomposed_dir), prompts, GEN_LEN)[0]
+    peers = {p["peer"]: p["ranks"] for p in doc["peers"]}
+    assert peers["hf"][0]["tokens"] == expected
+    assert all(rank["tokens"] == expected for rank in peers["deepspeed"])
+    model = hf_model(source.decomposed_dir)
+    pairs = [m for m in model.modules() if isinstance(m, FactorLinears)]
+    assert len(pairs) == len(source.rank_config.modules) and all(
+        isinstance(p.u, torch.nn.Linear) and isinstance(p.v, torch.nn.Linear) for p in pairs)
+
+
+def test_peers_skipped_or_failed_are_recorded_and_the_run_goes_on(tmp_path) -> None:
+    """DeepSpeed beside a TP that does not divide the KV heads is skipped with the reason; a peer
+    that fails gets its one-line error; both are rows of the table."""
+    from deinfer_megatron.bench.peers import Peer, run_peers
+
+    arch = synthetic_arch("llama-tiny")  # 8 heads, 4 KV heads
+    source = ModelSource("tiny", arch, RankConfig.from_mapping(uniform_ranks(arch, 0.6), arch), tmp_path, tmp_path)
+    grid = matrix.BenchGrid(synthetic="llama-tiny", tps=(8,), batches=(1,), gen_len=2, peers=(Peer.HF, Peer.DEEPSPEED))
+
+    def runner(peer, tp, batch, ctx, source, grid):
+        raise RuntimeError("out of memory\ntraceback ...")
+
+    failed, skipped = run_peers(grid, source, runner=runner, progress=False)
+    assert (failed.peer, failed.status, failed.error) == ("hf", CellStatus.ERROR, "RuntimeError: out of memory")
+    assert skipped.status is CellStatus.SKIPPED and "does not divide 8 heads / 4 KV heads" in skipped.reason
+    assert list(skipped.to_json()) == ["peer", "tp", "batch", "prompt_len", "gen_len", "repeats", "processes",
+                                       "threads_per_process", "status", "reason"]
+    table = report.text_table([], (failed, skipped)).splitlines()
+    assert table[1].split()[:2] == ["hf", "1x8"] and table[1].endswith("error: RuntimeError: out of memory")
+    assert "skipped: DeepSpeed AutoTP" in table[2]
 
 
 def test_json_keys_equal_the_documented_runs(tiny) -> None:
@@ -216,6 +324,8 @@ def test_failed_cell_is_recorded_and_the_matrix_goes_on(tmp_path) -> None:
     (["--synthetic", "llama-tiny", "--prompt-len", "4090", "--gen-len", "10"], "exceeds the model's context"),
     (["--synthetic", "llama-tiny", "--layouts", "dense", "--kv-cache", "latent"], "no configuration can run"),
     (["--model", "x", "--ratio", "0.5"], "--ratio applies to --synthetic"),
+    (["--synthetic", "llama-tiny", "--peers", "hf,vllm"], "--peers: unknown value 'vllm'; choose from hf,deepspeed"),
+    (["--synthetic", "llama-tiny", "--peers", ","], "--peers needs at least one of hf,deepspeed"),
     ([], "give exactly one of --model DIR or --synthetic NAME"),
 ])
 def test_bad_input_is_one_line(args, message, capsys) -> None:
