@@ -112,12 +112,13 @@ def test_auto_cells_run_the_cost_models_plan(tmp_path) -> None:
     """An ``auto`` cell builds the plan the cost model chooses for its TP, batch and context
     (here an injected table, planted in the cache, where only collective elements cost time),
     and reports it beside the fixed layouts."""
-    from tests.helpers.cost_tables import elements_only
+    from tests.helpers.cost_tables import elements_only, zero_overhead
     from deinfer_megatron.planning import cost_model
 
     table = elements_only()
     key = cost_model.TableKey.current(1)
-    cost_model.save(cost_model.CostTable(key, table.gemm, table.memory_bytes_per_s, table.collectives),
+    cost_model.save(cost_model.CostTable(key, table.gemm, table.memory_bytes_per_s, table.collectives,
+                                         zero_overhead(2)),
                     cost_model.cache_path(key, tmp_path / "cache" / "cost_model"))
     proc = subprocess.run([*CLI, "--synthetic", "llama-tiny", "--tp", "2", "--batch", "2", "--gen-len", str(GEN_LEN),
                            "--repeats", "1", "--layouts", "auto,deinfer", "--json", "out.json"],
