@@ -10,12 +10,11 @@ median TPOT (``Summary.tpot_s``), the same decode step the prediction is of.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from deinfer_megatron.bench.records import CellRecord, Prediction
 from deinfer_megatron.layers.kv_cache import CacheKind
-from deinfer_megatron.specs.layout import AUTO, Layout
+from deinfer_megatron.specs.layout import AUTO, Layout, LayoutPlan
 
 
 def _plan_name(choice: Any) -> str:
@@ -29,24 +28,50 @@ def _plan_name(choice: Any) -> str:
     return "auto (" + "; ".join(parts) + ")"
 
 
+def plan_seconds(choice: Any, plan: Any) -> float:
+    """``choice``'s predicted step for ``plan`` (its per-block prices of every candidate)."""
+    return choice.outside_s + sum(layer[b][getattr(blocks, b).value]
+                                  for layer, blocks in zip(choice.seconds, plan.layers) for b in ("attention", "mlp"))
+
+
+def predicted_parts(arch: Any, rank_config: Any, work: Any, table: Any, plan: Any) -> dict[str, float]:
+    """The predicted step of ``plan`` in three parts that ``--profile`` measures apart: weights and
+    KV reads (GEMMs), collectives, fixed framework time — each the difference of the step priced
+    with and without that term (the same formulas, ``planning.auto``)."""
+    from dataclasses import replace
+
+    from deinfer_megatron.planning.auto import choose_layouts
+
+    free = {k: [0.0, 1e30] for k in ("all_reduce", "all_gather")}
+    whole = plan_seconds(choose_layouts(arch, rank_config, work, table), plan)
+    no_fixed = replace(table, overhead={})
+    without_fixed = plan_seconds(choose_layouts(arch, rank_config, work, no_fixed), plan)
+    compute = plan_seconds(choose_layouts(arch, rank_config, work, replace(no_fixed, collectives=free)), plan)
+    return {"weights_kv_s": compute, "collectives_s": without_fixed - compute, "fixed_s": whole - without_fixed}
+
+
 def predict(rec: CellRecord, source: Any, table: Any = None) -> Prediction | None:
     """The prediction for a measured, summarised cell; None where its layout cannot be priced."""
     from deinfer_megatron.planning.auto import Workload, auto_plan
+    from deinfer_megatron.planning.cost_model import host_table
 
     assert rec.summary is not None, "predict a summarised cell"
     cell = rec.cell
     work = Workload(tp=cell.tp, batch=cell.batch, context=cell.prompt_len + rec.gen_len,
                     latent_cache=cell.kv_cache is CacheKind.LATENT)
     choice = auto_plan(source.arch, source.rank_config, work, table)
+    if not choice.seconds:  # the fallback of a machine without a cost table
+        return None
     if cell.layout == AUTO:
-        predicted, chosen = choice.step_seconds, _plan_name(choice)
+        plan, chosen = choice.plan, _plan_name(choice)
     else:
         layout = Layout.parse(cell.layout)
-        predicted, chosen = choice.fixed_step_seconds(layout), layout.value
-    if predicted is None or math.isnan(predicted):
-        return None
-    measured = rec.summary.tpot_s
-    return Prediction(predicted, measured, predicted / measured, chosen)
+        if choice.fixed_step_seconds(layout) is None:
+            return None
+        plan, chosen = LayoutPlan.uniform(layout, source.arch.num_layers), layout.value
+    parts = predicted_parts(source.arch, source.rank_config, work, table or host_table(tp=cell.tp), plan)
+    predicted, measured = sum(parts.values()), rec.summary.tpot_s
+    return Prediction(predicted, measured, predicted / measured, chosen, parts)
 
 
 def markdown_lines(records: Any) -> list[str]:
@@ -55,11 +80,13 @@ def markdown_lines(records: Any) -> list[str]:
     if not rows:
         return []
     lines = ["", "## Predicted against measured decode step (cost model, `planning.auto`)", "",
-             "| layout | kv | tp | batch | ctx | predicted ms | measured TPOT ms | predicted / measured | plan |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| layout | kv | tp | batch | ctx | predicted ms | weights+KV ms | collectives ms | fixed ms "
+             "| measured TPOT ms | predicted / measured | plan |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c, p = r.cell, r.prediction
+        parts = " | ".join(f"{p.parts[k] * 1e3:.2f}" for k in ("weights_kv_s", "collectives_s", "fixed_s"))
         lines.append(f"| {c.layout_name} | {c.kv_cache.value} | {c.tp} | {c.batch} | {c.prompt_len} | "
-                     f"{p.predicted_s * 1e3:.2f} | {p.measured_s * 1e3:.2f} | {p.predicted_over_measured:.2f} | "
-                     f"{p.chosen} |")
+                     f"{p.predicted_s * 1e3:.2f} | {parts} | {p.measured_s * 1e3:.2f} | "
+                     f"{p.predicted_over_measured:.2f} | {p.chosen} |")
     return lines

@@ -197,6 +197,7 @@ class Prediction:
     measured_s: float
     predicted_over_measured: float
     chosen: str  # the plan the prediction is for: a fixed layout, or auto's choice per block
+    parts: dict[str, float]  # weights_kv_s, collectives_s, fixed_s: what --profile measures apart
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)

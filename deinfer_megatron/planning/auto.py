@@ -80,11 +80,20 @@ class AutoChoice:
         return total
 
 
+def weight_seconds(table: CostTable, work: Workload, params: int) -> float:
+    """``batch`` tokens through ``params`` weights: the GEMM at its measured rate, or the weights
+    streamed once from memory when that is slower. The GEMM grid is timed on weights hot in the
+    cache (at most 16 MiB, repeated); a model larger than the cache reads every weight from
+    memory each step, which at decode batch sizes is the larger of the two."""
+    return max(table.gemm_seconds(work.dtype, work.batch, params),
+               table.memory_seconds(params * work.dtype_bytes))
+
+
 def block_seconds(table: CostTable, cost: Cost, work: Workload, *, kv_bytes_per_token: int,
                   overhead_s: float = 0.0) -> float:
     """One block's share of a decode step on one rank (``cost_model``'s formula), with its fixed
     framework time ``overhead_s``."""
-    t = overhead_s + table.gemm_seconds(work.dtype, work.batch, cost.params)
+    t = overhead_s + weight_seconds(table, work, cost.params)
     t += table.memory_seconds(work.batch * work.context * kv_bytes_per_token)
     for c in cost.collectives:
         t += table.collective_seconds(c.kind, work.batch * c.elements * work.dtype_bytes)
@@ -98,7 +107,7 @@ def outside_seconds(table: CostTable, arch: ModelArch, work: Workload) -> float:
     from deinfer_megatron.models.build import padded_vocab_size
 
     h, vocab = arch.hidden_size, padded_vocab_size(arch.vocab_size, work.tp)
-    t = table.gemm_seconds(work.dtype, work.batch, vocab // work.tp * h)
+    t = weight_seconds(table, work, vocab // work.tp * h)
     if work.tp > 1:
         t += table.collective_seconds("all_reduce", work.batch * h * work.dtype_bytes)
         t += table.collective_seconds("all_gather", work.batch * vocab * work.dtype_bytes)

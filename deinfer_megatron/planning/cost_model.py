@@ -6,7 +6,8 @@ cost more than the collective it saves. The planner already says what each block
 sends (``Cost``: parameters per rank, collectives per token); a ``CostTable`` turns those counts
 into seconds for a decode step of ``batch`` sequences at ``context`` cached tokens:
 
-    t(block) = GEMM(batch tokens × the block's parameters on this rank)
+    t(block) = max(GEMM(batch tokens × the block's parameters on this rank),
+                   the block's weight bytes / memory bandwidth)
              + KV bytes read by attention / memory bandwidth        (attention blocks)
              + Σ collectives (latency + batch · elements · dtype bytes / bandwidth)
              + the block's fixed framework time (per layout and block kind, at this TP size)
