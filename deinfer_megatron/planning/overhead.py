@@ -92,38 +92,47 @@ class BlockTimer:
 
 
 def _time_stage(stage: Any, batch: int = 1) -> dict[str, float]:
-    from deinfer_megatron.generation.context import GenerationContext
-    from deinfer_megatron.generation.loop import generate_tokens
-    from deinfer_megatron.generation.sampling import SamplingParams
+    """Greedy decode of ``NEW_TOKENS`` tokens after a ``PROMPT``-token prefill, timed per step.
+
+    The loop is ``generation.loop``'s in small (prefill, then per step: the next tokens as Python
+    ints, a one-token forward through Megatron's static inference context) — that package
+    is above this one, and the loop's own bookkeeping per row is a few µs a step.
+    """
+    import torch
+    from megatron.core.inference.contexts.static_context import StaticInferenceContext
+
+    from deinfer_megatron.models.pipeline import broadcast_from_last_stage, stage_forward
 
     timer = BlockTimer(stage.model.decoder.layers)
-    calls = [0]
-
-    def on_token(row: int, token: int) -> None:
-        if calls[0] % batch == 0:
-            timer.step_mark()
-        calls[0] += 1
-
-    prompts = [[3 + (i * 7 + j) % 200 for j in range(PROMPT)] for i in range(batch)]
-    context = GenerationContext(batch, PROMPT + NEW_TOKENS)
+    prompts = torch.tensor([[3 + (i * 7 + j) % 200 for j in range(PROMPT)] for i in range(batch)])
+    like = torch.zeros(batch, dtype=torch.long)
     try:
         for _ in range(2):  # the first run warms up; the second is measured
             timer.steps.clear()
             timer._mark = None
-            generate_tokens(stage, prompts, max_new_tokens=NEW_TOKENS, params=SamplingParams(),
-                            context=context, on_token=on_token)
+            context = StaticInferenceContext(batch, PROMPT + NEW_TOKENS)
+            pos = torch.arange(PROMPT).expand_as(prompts)
+            logits = stage_forward(stage, prompts, pos, inference_context=context)
+            context.sequence_len_offset += PROMPT
+            for step in range(PROMPT, PROMPT + NEW_TOKENS):
+                last = logits[:, -1].argmax(-1) if logits is not None else None
+                chosen = broadcast_from_last_stage(stage, last, like).tolist()
+                timer.step_mark()
+                ids = torch.tensor(chosen).view(batch, 1)
+                logits = stage_forward(stage, ids, torch.full((batch, 1), step), inference_context=context)
+                context.sequence_len_offset += 1
     finally:
         timer.close()
     return timer.medians()
 
 
 def _model(size: dict[str, Any]) -> tuple[Any, Any, dict[str, int]]:
+    """A size's architecture and uniform ranks keeping ``RATIO`` of every matrix's parameters."""
     from deinfer_megatron.arch.model import arch_from_hf_config
-    from deinfer_megatron.decompose.allocation import uniform_ranks
     from deinfer_megatron.specs.rank_config import RankConfig
 
     arch = arch_from_hf_config(size)
-    ranks = uniform_ranks(arch, RATIO)
+    ranks = {name: max(1, int(RATIO * m * n / (m + n))) for name, (m, n) in arch.linear_shapes().items()}
     return arch, RankConfig.from_mapping(ranks, arch), ranks
 
 
