@@ -5,8 +5,8 @@ At llama-tiny sizes a TP=2 decode step is tens of milliseconds while its GEMMs a
 a fraction of one: the step is Python, Megatron's module glue, and each collective call's own
 Python beyond its transport's latency. That time hardly depends on the model's size, so it is
 measured where nothing else is left: two tiny LLaMA-shaped models (``SIZES``), every layout, run
-on ``tp`` local ranks exactly as a job runs them (``spawn_local``, the job's transport), one
-greedy generation each, timed per decode step with forward hooks on every layer and on its
+on ``tp`` local ranks exactly as a job runs them (``spawn_local``, the job's transport), a short
+greedy decode each (the generation loop in small, ``_time_stage``), timed per decode step with forward hooks on every layer and on its
 attention and MLP blocks (hooks time; they issue nothing). Per step, per rank:
 
 - a block's time is one call of it (the mean over layers);
@@ -18,6 +18,10 @@ From each the cost model's own price at that size is taken away (GEMM, KV reads,
 latency and bandwidth: ``planning.auto``), and the remainder is extrapolated linearly in the
 block's parameters per rank to zero size — what is left at no size at all is the fixed cost. It
 is clamped to [0, the larger remainder], as a busy machine can make the line slope down.
+
+Limits: the models are LLaMA-shaped whatever the job's family; at a TP size above their 4 KV heads
+the dense layout is not measured (its blocks are then priced without fixed time); a job started by
+an external launcher that resolves ``auto`` inside its ranks measures from inside them.
 """
 
 from __future__ import annotations
