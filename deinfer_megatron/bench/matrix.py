@@ -45,6 +45,8 @@ class BenchGrid:
     repeats: int = 3
     seed: int = 0
     roofline: bool = False  # also measure this machine's rates and bound each decode step
+    profile: bool = False  # split one decode step per rank into GEMM / waiting / collectives / rest
+    predict: bool = False  # the cost model's step beside every cell's (always for auto cells)
     cell_timeout_s: float = 1800.0
     peers: tuple[Peer, ...] = ()  # other implementations beside the cells (``bench.peers``)
 
@@ -76,7 +78,9 @@ class BenchConfig:
                 "tps": list(g.tps), "batches": list(g.batches), "prompt_lens": list(g.prompt_lens),
                 "gen_len": g.gen_len, "repeats": g.repeats, "seed": g.seed, "json": path(o.json),
                 "markdown": path(o.markdown), "plot": path(o.plot), "roofline": g.roofline,
-                "cell_timeout_s": g.cell_timeout_s, "progress": o.progress}
+                "cell_timeout_s": g.cell_timeout_s, "progress": o.progress,
+                # newer options appear only when asked for: earlier documents keep their keys
+                **({"profile": True} if g.profile else {}), **({"predict": True} if g.predict else {})}
         return {**args, "peers": [p.value for p in g.peers]} if g.peers else args
 
 
@@ -173,7 +177,8 @@ def run_cell(cell: Cell, source: ModelSource, grid: BenchGrid) -> list[RankMeasu
     layout = cell_layout(cell, source, grid.gen_len)
     job = CellJob(source.folder_for(layout), layout, cell.kv_cache, cell.tp, cell.batch,
                   cell.prompt_len, grid.gen_len, grid.repeats,
-                  random_prompts(source.arch.vocab_size, cell.batch, cell.prompt_len, grid.seed))
+                  random_prompts(source.arch.vocab_size, cell.batch, cell.prompt_len, grid.seed),
+                  profile=grid.profile)
     return spawn_local(cell.tp, cell_worker, job, timeout=grid.cell_timeout_s)
 
 

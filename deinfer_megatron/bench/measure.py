@@ -39,6 +39,7 @@ class CellJob:
     repeats: int
     prompts: tuple[tuple[int, ...], ...]  # batch × prompt_len random ids, the same on every rank
     collectives: Collectives = Collectives.AUTO  # what carries the TP collectives (parallel.collectives)
+    profile: bool = False  # one more run, its first decode step profiled (bench.profile)
 
 
 def _status_kb(field: str) -> int | None:
@@ -158,6 +159,12 @@ def cell_worker(job: CellJob) -> RankMeasurement:
         context = GenerationContext(job.batch, job.prompt_len + job.gen_len, kv_cache=job.kv_cache)
         warmup, ledger = _one_run(stage, job, context, record=True)
         samples = tuple(_one_run(stage, job, context, record=False)[0] for _ in range(job.repeats))
+        profile = None
+        if job.profile:
+            from deinfer_megatron.bench.profile import profile_run
+            from deinfer_megatron.parallel.topology import TPView
+
+            profile = profile_run(stage, job, context, TPView.of(groups.pg_collection.tp))
         cache = describe(context)
         rss_run = peak_rss_bytes() if reset else None
     finally:
@@ -172,4 +179,5 @@ def cell_worker(job: CellJob) -> RankMeasurement:
         peak_rss_generate_bytes=rss_run,
         kv_cache_bytes=cache["kv_cache_bytes"],
         kv_bytes_per_token=cache["kv_bytes_per_token"],
+        profile=profile,
     )

@@ -104,13 +104,17 @@ class RankMeasurement:
     peak_rss_generate_bytes: int | None  # None where Linux would not reset the high-water mark
     kv_cache_bytes: int
     kv_bytes_per_token: int
+    profile: Any = None  # bench.profile.RankProfile with --profile
 
     def to_json(self) -> dict[str, Any]:
-        return {"tp_rank": self.tp_rank, "load_s": self.load_s, "warmup": self.warmup.to_json(),
-                "samples": [s.to_json() for s in self.samples],
-                "decode_step_comm": self.decode_step_comm.to_json(), "peak_rss_bytes": self.peak_rss_bytes,
-                "peak_rss_generate_bytes": self.peak_rss_generate_bytes, "kv_cache_bytes": self.kv_cache_bytes,
-                "kv_bytes_per_token": self.kv_bytes_per_token}
+        out = {"tp_rank": self.tp_rank, "load_s": self.load_s, "warmup": self.warmup.to_json(),
+               "samples": [s.to_json() for s in self.samples],
+               "decode_step_comm": self.decode_step_comm.to_json(), "peak_rss_bytes": self.peak_rss_bytes,
+               "peak_rss_generate_bytes": self.peak_rss_generate_bytes, "kv_cache_bytes": self.kv_cache_bytes,
+               "kv_bytes_per_token": self.kv_bytes_per_token}
+        if self.profile is not None:
+            out["profile"] = self.profile.to_json()
+        return out
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,21 @@ class StepBound:
 
 
 @dataclass(frozen=True)
+class Prediction:
+    """The cost model's decode step for a cell's plan (``planning.auto``) beside the measured
+    TPOT; ``predicted_over_measured`` 1.0 is a perfect prediction."""
+
+    predicted_s: float
+    measured_s: float
+    predicted_over_measured: float
+    chosen: str  # the plan the prediction is for: a fixed layout, or auto's choice per block
+    parts: dict[str, float]  # weights_kv_s, collectives_s, fixed_s: what --profile measures apart
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
 class CellRecord:
     """A cell and what became of it: skipped (``reason``), failed (``error``) or measured."""
 
@@ -199,6 +218,8 @@ class CellRecord:
     ranks: tuple[RankMeasurement, ...] = ()
     summary: Summary | None = None
     roofline: StepBound | None = None
+    step_profile: tuple[Any, ...] = ()  # bench.profile.StepBreakdown per rank, with --profile
+    prediction: "Prediction | None" = None  # the cost model's step beside the measured one
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {**self.cell.to_json(), "gen_len": self.gen_len, "repeats": self.repeats}
@@ -214,6 +235,10 @@ class CellRecord:
             out["summary"] = self.summary.to_json()
         if self.roofline is not None:
             out["roofline"] = self.roofline.to_json()
+        if self.step_profile:
+            out["step_profile"] = [b.to_json() for b in self.step_profile]
+        if self.prediction is not None:
+            out["prediction"] = self.prediction.to_json()
         return out
 
 

@@ -251,4 +251,7 @@ def markdown(doc: BenchDocument) -> str:
         lines += ["", "## Roofline", "", f"Copy bandwidth {machine['copy_gbps']:.2f} GB/s (read + write); "
                   f"GEMM GFLOP/s (1 thread) {gemm}.", ""]
         lines += [f"- {line}" for line in roofline_lines(doc.cells)]
+    from deinfer_megatron.bench import prediction, profile
+
+    lines += prediction.markdown_lines(doc.cells) + profile.markdown_lines(doc.cells)
     return "\n".join(lines) + "\n"

@@ -86,6 +86,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peers", type=_names,
                    help="also time other implementations beside the cells: hf (transformers, factor pairs, "
                         "1 process × TP threads), deepspeed (AutoTP on the multiplied-out weights, TP ranks)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one decode step per rank: GEMM, waiting for the peer, collectives, the rest")
+    p.add_argument("--predict", action="store_true",
+                   help="the cost model's predicted step beside every cell's measured one (auto cells: always)")
     p.add_argument("--cell-timeout", type=float, default=1800.0, help="seconds before a cell is recorded as failed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(make_config=config_from_args, run=main)
@@ -105,7 +109,8 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
         layouts=_layouts(a.layouts),
         kv_caches=_members("--kv-cache", a.kv_cache, CacheKind.parse, CacheKind),
         tps=a.tp, batches=a.batch, prompt_lens=a.prompt_len, gen_len=a.gen_len, repeats=a.repeats,
-        seed=a.seed, roofline=a.roofline, cell_timeout_s=a.cell_timeout, peers=peers)
+        seed=a.seed, roofline=a.roofline, profile=a.profile, predict=a.predict, cell_timeout_s=a.cell_timeout,
+        peers=peers)
     outputs = BenchOutputs(json=a.json, markdown=a.markdown, plot=a.plot, progress=not a.no_progress)
     return BenchConfig(grid, outputs)
 
@@ -139,6 +144,21 @@ def _source(grid: BenchGrid, workdir: Path) -> Any:
     return synthetic_source(grid.synthetic, grid.ratio, grid.seed, workdir)
 
 
+def _profiled_and_predicted(grid: BenchGrid, source: Any, records: list[Any]) -> list[Any]:
+    """Measured cells with their ``--profile`` breakdown and the cost model's predicted step."""
+    from deinfer_megatron.bench import prediction, profile
+    from deinfer_megatron.bench.records import CellStatus
+
+    out = []
+    for r in records:
+        if r.status is CellStatus.OK:
+            r = replace(r, step_profile=profile.cell_breakdown(r))
+            if grid.predict or r.cell.layout == "auto":
+                r = replace(r, prediction=prediction.predict(r, source))
+        out.append(r)
+    return out
+
+
 def main(cfg: BenchConfig) -> int:
     from deinfer_megatron.bench import matrix, report, roofline
     from deinfer_megatron.bench import peers as peer_runs
@@ -159,6 +179,7 @@ def main(cfg: BenchConfig) -> int:
         records = matrix.run_matrix(grid, source, progress=outputs.progress)
         peers = peer_runs.run_peers(grid, source, progress=outputs.progress)
     records = [report.summarize(r) if r.status is CellStatus.OK else r for r in records]
+    records = _profiled_and_predicted(grid, source, records)
     if machine is not None:
         records = [replace(r, roofline=roofline.step_bound(r, source.arch, machine)) if r.status is CellStatus.OK
                    else r for r in records]

@@ -2,7 +2,9 @@
 
 Layers never call ``torch.distributed`` themselves: they call the named operations below, so
 this module is the one place where communication happens and is counted. Counting is opt-in
-(``with recording() as ledger:``) and costs one ``ContextVar`` lookup per collective when off.
+(``with recording() as ledger:``) and costs one ``ContextVar`` lookup per collective when off;
+so is timing (``with timing() as times:``: the entry and exit instant of every raw all-reduce and
+all-gather, which ``bench --profile`` lines up across the ranks of one host).
 
 A collective is recorded as its *element count per token*: for an all-gather, the width of the
 gathered result; for an all-reduce, the width of the reduced tensor; for a reduce-scatter, the
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol
@@ -122,6 +125,28 @@ def _record(kind: str, site: str, layer: int, width: int, x: torch.Tensor,
         ledger.records.append(CommRecord(kind, site, layer, width, tokens, phase))
 
 
+@dataclass
+class CommTimes:
+    """``(kind, entered, left)`` of every raw collective issued while ``timing()`` was on, in
+    ``time.perf_counter`` seconds (CLOCK_MONOTONIC: comparable between processes of one host)."""
+
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
+
+
+_TIMES: contextvars.ContextVar[CommTimes | None] = contextvars.ContextVar("deinfer_comm_times", default=None)
+
+
+@contextlib.contextmanager
+def timing(times: CommTimes | None = None) -> Iterator[CommTimes]:
+    """Time every raw all-reduce and all-gather issued inside the block into ``times``."""
+    times = times if times is not None else CommTimes()
+    token = _TIMES.set(times)
+    try:
+        yield times
+    finally:
+        _TIMES.reset(token)
+
+
 # ------------------------------------------------------------------ transports
 # How a group's raw all-reduce / all-gather travel. Chosen once per group at setup
 # (``parallel.collectives.install``, from ``runtime.init_parallel``); a group without an entry uses
@@ -148,19 +173,27 @@ def use_transport(group: dist.ProcessGroup, transport: Transport | None) -> None
 
 
 def _raw_all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> None:
+    times = _TIMES.get()
+    entered = time.perf_counter() if times is not None else 0.0
     transport = _TRANSPORTS.get(group)
     if transport is None:
         dist.all_reduce(x, group=group)
     else:
         transport.all_reduce(x)
+    if times is not None:
+        times.spans.append(("all_reduce", entered, time.perf_counter()))
 
 
 def _raw_all_gather(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> None:
+    times = _TIMES.get()
+    entered = time.perf_counter() if times is not None else 0.0
     transport = _TRANSPORTS.get(group)
     if transport is None:
         _all_gather_flat(out, x, group=group)
     else:
         transport.all_gather(out, x)
+    if times is not None:
+        times.spans.append(("all_gather", entered, time.perf_counter()))
 
 
 def _require_group(tp: TPView, op: str, site: str) -> dist.ProcessGroup:

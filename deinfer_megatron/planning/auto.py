@@ -7,8 +7,13 @@ layout's ``Cost`` (the classes of the layout table, asked by the planner) is pri
 the cheapest is taken (ties: the order of ``CANDIDATES``). The result is a ``LayoutPlan``,
 built and loaded like any fixed layout.
 
-What is not priced: the embedding, the output layer and the norms (the same in every layout),
-and prefill (one step against the decode steps of a generation).
+Each block's price includes its layout's fixed framework time (``CostTable.block_overhead``,
+measured per TP size), which is what decides at small sizes: a layout with more modules and
+collective calls pays more Python per step. The predicted step (``AutoChoice.step_seconds``) is
+a whole decode step: the blocks, the fixed time per layer beside them, and what lies outside the
+layers, the same in every layout (``outside_seconds``: the output layer's GEMM, Megatron's two
+vocabulary collectives at TP > 1 and the fixed time of embedding, final norm and sampling).
+Not priced: prefill (one step against the decode steps of a generation).
 """
 
 from __future__ import annotations
@@ -53,19 +58,20 @@ class AutoChoice:
 
     plan: LayoutPlan
     seconds: list[dict[str, dict[str, float]]]  # [layer]{block: {layout: s}}
+    outside_s: float = 0.0  # the step beside the blocks: per-layer glue and outside the layers
 
     @property
     def step_seconds(self) -> float:
-        """Predicted decode step of the chosen plan (the transformer layers); NaN when the
-        plan is the fallback of a machine without a cost table."""
+        """Predicted decode step of the chosen plan (a whole step: the blocks and
+        ``outside_s``); NaN when the plan is the fallback of a machine without a cost table."""
         if not self.seconds:
             return math.nan
-        return sum(self.seconds[i][b][getattr(blk, b).value]
-                   for i, blk in enumerate(self.plan.layers) for b in BLOCKS)
+        return self.outside_s + sum(self.seconds[i][b][getattr(blk, b).value]
+                                    for i, blk in enumerate(self.plan.layers) for b in BLOCKS)
 
     def fixed_step_seconds(self, layout: Layout) -> float | None:
         """Predicted decode step of a fixed layout; None where it cannot run this model."""
-        total = 0.0
+        total = self.outside_s
         for layer in self.seconds:
             for b in BLOCKS:
                 if layout.value not in layer[b]:
@@ -74,13 +80,38 @@ class AutoChoice:
         return total
 
 
-def block_seconds(table: CostTable, cost: Cost, work: Workload, *, kv_bytes_per_token: int) -> float:
-    """One block's share of a decode step on one rank (module docstring's formula)."""
-    t = table.gemm_seconds(work.dtype, work.batch, cost.params)
+def weight_seconds(table: CostTable, work: Workload, params: int) -> float:
+    """``batch`` tokens through ``params`` weights: the GEMM at its measured rate, or the weights
+    streamed once from memory when that is slower. The GEMM grid is timed on weights hot in the
+    cache (at most 16 MiB, repeated); a model larger than the cache reads every weight from
+    memory each step, which at decode batch sizes is the larger of the two."""
+    return max(table.gemm_seconds(work.dtype, work.batch, params),
+               table.memory_seconds(params * work.dtype_bytes))
+
+
+def block_seconds(table: CostTable, cost: Cost, work: Workload, *, kv_bytes_per_token: int,
+                  overhead_s: float = 0.0) -> float:
+    """One block's share of a decode step on one rank (``cost_model``'s formula), with its fixed
+    framework time ``overhead_s``."""
+    t = overhead_s + weight_seconds(table, work, cost.params)
     t += table.memory_seconds(work.batch * work.context * kv_bytes_per_token)
     for c in cost.collectives:
         t += table.collective_seconds(c.kind, work.batch * c.elements * work.dtype_bytes)
     return t
+
+
+def outside_seconds(table: CostTable, arch: ModelArch, work: Workload) -> float:
+    """The step beside the blocks, the same in every layout: the output layer's GEMM (its vocabulary
+    rows on one rank), the embedding's all-reduce of h and the logits' all-gather of the padded
+    vocabulary at TP > 1 (Megatron's own), and the fixed time per layer and outside the layers."""
+    from deinfer_megatron.models.build import padded_vocab_size
+
+    h, vocab = arch.hidden_size, padded_vocab_size(arch.vocab_size, work.tp)
+    t = weight_seconds(table, work, vocab // work.tp * h)
+    if work.tp > 1:
+        t += table.collective_seconds("all_reduce", work.batch * h * work.dtype_bytes)
+        t += table.collective_seconds("all_gather", work.batch * vocab * work.dtype_bytes)
+    return t + table.outside_overhead(work.tp) + arch.num_layers * table.layer_overhead(work.tp)
 
 
 def _allowed(layout: Layout, block: str, ranks: Any, arch: ModelArch, work: Workload) -> bool:
@@ -109,8 +140,11 @@ def choose_layouts(arch: ModelArch, rank_config: RankConfig, work: Workload, tab
                 costs = block_costs(config, BlockLayouts(layout, layout), attn, mlp, TPView(rank, work.tp))
                 latent = work.latent_cache and attn is not None and layout.supports_latent_cache
                 kv = (attn.k + attn.v if latent else 2 * costs[0].kv_heads * arch.head_dim) * work.dtype_bytes
-                for b, cost, kv_b in zip(BLOCKS, costs, (kv, 0)):
-                    worst[b] = max(worst[b], block_seconds(table, cost, work, kv_bytes_per_token=kv_b))
+                for b, cost, kv_b, model_ranks in zip(BLOCKS, costs, (kv, 0), (ranks.attention, ranks.mlp)):
+                    built = layout if model_ranks is not None else Layout.DENSE  # a dense block stays dense
+                    fixed = table.block_overhead(work.tp, built.value, b)
+                    worst[b] = max(worst[b], block_seconds(table, cost, work, kv_bytes_per_token=kv_b,
+                                                           overhead_s=fixed))
             for b, block_ranks in zip(BLOCKS, (ranks.attention, ranks.mlp)):
                 if _allowed(layout, b, block_ranks, arch, work):
                     layer[b][layout.value] = worst[b]
@@ -123,7 +157,7 @@ def choose_layouts(arch: ModelArch, rank_config: RankConfig, work: Workload, tab
                 pick[b] = Layout.DENSE
         chosen.append(BlockLayouts(pick["attention"], pick["mlp"]))
         seconds.append(layer)
-    return AutoChoice(LayoutPlan(tuple(chosen)), seconds)
+    return AutoChoice(LayoutPlan(tuple(chosen)), seconds, outside_seconds(table, arch, work))
 
 
 def auto_plan(arch: ModelArch, rank_config: RankConfig, work: Workload,

@@ -6,9 +6,16 @@ cost more than the collective it saves. The planner already says what each block
 sends (``Cost``: parameters per rank, collectives per token); a ``CostTable`` turns those counts
 into seconds for a decode step of ``batch`` sequences at ``context`` cached tokens:
 
-    t(block) = GEMM(batch tokens × the block's parameters on this rank)
+    t(block) = max(GEMM(batch tokens × the block's parameters on this rank),
+                   the block's weight bytes / memory bandwidth)
              + KV bytes read by attention / memory bandwidth        (attention blocks)
              + Σ collectives (latency + batch · elements · dtype bytes / bandwidth)
+             + the block's fixed framework time (per layout and block kind, at this TP size)
+
+The last term is what a small model's step is made of: Python, Megatron's module glue and each
+collective call's own Python, measured by ``planning.overhead`` at the TP size asked for, with the
+fixed time per layer (norms, residuals) and outside the layers (embedding, final norm, output
+layer, sampling, the loop) that complete a whole decode step (``planning.auto.outside_seconds``).
 
 The table is calibrated once per host (``planning.calibrate``) and cached as JSON under the
 cache dir, keyed by host id, project version, table format, torch version and thread count: a
@@ -29,7 +36,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when the table's fields or their meaning change: older caches are ignored
+FORMAT = 2  # 2: framework overhead per TP size. Bump when the table's fields or their meaning change: older caches are ignored
 GEMM_DTYPES = ("float32", "bfloat16")
 
 
@@ -83,12 +90,17 @@ class CostTable:
         memory_bytes_per_s: streaming read bandwidth of one process.
         collectives: kind (``all_reduce``, ``all_gather``) → ``[latency s, bytes/s]`` between the
             ranks of one node (the job's shared-memory transport).
+        overhead: TP size (as a string) → fixed seconds per decode step that no rate prices:
+            ``{"blocks": {layout: {"attention": s, "mlp": s}}, "layer": s, "outside": s}`` — per
+            block call by layout, per layer beside its blocks, and once per step outside the
+            layers (``planning.overhead``). A TP size without an entry is priced at zero.
     """
 
     key: TableKey
     gemm: dict[str, list[list[float]]]
     memory_bytes_per_s: float
     collectives: dict[str, list[float]] = field(default_factory=dict)
+    overhead: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,7 +109,8 @@ class CostTable:
     def from_json(cls, doc: dict[str, Any]) -> "CostTable":
         return cls(TableKey(**doc["key"]), {k: [list(map(float, r)) for r in v] for k, v in doc["gemm"].items()},
                    float(doc["memory_bytes_per_s"]),
-                   {k: [float(v[0]), float(v[1])] for k, v in doc.get("collectives", {}).items()})
+                   {k: [float(v[0]), float(v[1])] for k, v in doc.get("collectives", {}).items()},
+                   {tp: _overhead_from_json(o) for tp, o in doc.get("overhead", {}).items()})
 
     # ------------------------------------------------------------------ predictions
 
@@ -113,11 +126,28 @@ class CostTable:
     def memory_seconds(self, nbytes: float) -> float:
         return nbytes / self.memory_bytes_per_s if nbytes > 0 else 0.0
 
+    def block_overhead(self, tp: int, layout: str, block: str) -> float:
+        """Fixed seconds of one ``block`` (``attention``/``mlp``) call in ``layout`` at TP ``tp``."""
+        return float(self.overhead.get(str(tp), {}).get("blocks", {}).get(layout, {}).get(block, 0.0))
+
+    def layer_overhead(self, tp: int) -> float:
+        """Fixed seconds per transformer layer beside its two blocks (norms, residual adds)."""
+        return float(self.overhead.get(str(tp), {}).get("layer", 0.0))
+
+    def outside_overhead(self, tp: int) -> float:
+        """Fixed seconds per step outside the layers (embedding, final norm, output, sampling)."""
+        return float(self.overhead.get(str(tp), {}).get("outside", 0.0))
+
     def collective_seconds(self, kind: str, nbytes: float) -> float:
         """One collective of ``nbytes`` (the gathered or reduced tensor); a reduce-scatter costs
         what an all-reduce does."""
         latency, bandwidth = self.collectives.get(kind) or self.collectives["all_reduce"]
         return latency + nbytes / bandwidth
+
+
+def _overhead_from_json(doc: dict[str, Any]) -> dict[str, Any]:
+    blocks = {layout: {b: float(v) for b, v in per.items()} for layout, per in doc["blocks"].items()}
+    return {"blocks": blocks, "layer": float(doc["layer"]), "outside": float(doc["outside"])}
 
 
 def _interpolate(rows: list[list[float]], lm: float, le: float) -> float:
@@ -183,15 +213,23 @@ def save(table: CostTable, path: Path) -> None:
 
 def host_table(*, tp: int, threads: int | None = None, root: Path | None = None) -> CostTable:
     """This host's table: the cached one if its key matches, else a fresh calibration (seconds),
-    cached for the next job. ``tp`` > 1 needs the collectives measured too."""
+    cached for the next job. ``tp`` > 1 needs the collectives measured too, and every TP size its
+    framework overhead (``planning.overhead``, measured once per TP size on ``tp`` local ranks)."""
+    from dataclasses import replace
+
     from deinfer_megatron.planning.calibrate import calibrate
 
     key = TableKey.current(threads)
     path = cache_path(key, root)
     table = load_cached(path, key)
-    if table is not None and (tp == 1 or table.collectives):
+    if table is not None and (tp == 1 or table.collectives) and str(tp) in table.overhead:
         return table
-    table = calibrate(key, collectives=tp > 1)
+    if table is None or (tp > 1 and not table.collectives):
+        table = calibrate(key, collectives=tp > 1)
+    if str(tp) not in table.overhead:
+        from deinfer_megatron.planning.overhead import measure_overhead
+
+        table = replace(table, overhead={**table.overhead, str(tp): measure_overhead(table, tp)})
     save(table, path)
     log.info("cost table measured and cached in %s", path)
     return table

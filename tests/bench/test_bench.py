@@ -113,13 +113,14 @@ def test_speedups_and_reports(tiny) -> None:
 @pytest.fixture(scope="module")
 def auto_and_peers(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dict]:
     """``auto`` and ``deinfer`` at TP=2, with both peers beside them (one launch for all)."""
-    from tests.helpers.cost_tables import elements_only
+    from tests.helpers.cost_tables import elements_only, zero_overhead
     from deinfer_megatron.planning import cost_model
 
     tmp_path = tmp_path_factory.mktemp("auto-peers")
     table = elements_only()
     key = cost_model.TableKey.current(1)
-    cost_model.save(cost_model.CostTable(key, table.gemm, table.memory_bytes_per_s, table.collectives),
+    cost_model.save(cost_model.CostTable(key, table.gemm, table.memory_bytes_per_s, table.collectives,
+                                         zero_overhead(2)),
                     cost_model.cache_path(key, tmp_path / "cache" / "cost_model"))
     proc = subprocess.run([*CLI, "--synthetic", "llama-tiny", "--tp", "2", "--batch", "2", "--gen-len", str(GEN_LEN),
                            "--repeats", "1", "--layouts", "auto,deinfer", "--peers", "hf,deepspeed",

@@ -22,3 +22,16 @@ def params_only() -> CostTable:
 def elements_only() -> CostTable:
     """Only collective bytes cost time: the fewest elements per token win."""
     return CostTable(KEY, _gemm(FREE), FREE, {"all_reduce": [0.0, 1e6], "all_gather": [0.0, 1e6]})
+
+
+def zero_overhead(tp: int) -> dict[str, dict]:
+    """An overhead entry of zeros for TP ``tp``: a table that says framework time costs nothing
+    (and that ``host_table`` takes as complete, measuring nothing more)."""
+    blocks = {l: {"attention": 0.0, "mlp": 0.0} for l in ("deinfer", "naive", "dense")}
+    return {str(tp): {"blocks": blocks, "layer": 0.0, "outside": 0.0}}
+
+
+def latency_only(latency: float, overhead: dict[str, dict]) -> CostTable:
+    """Only each collective's latency and the given fixed overheads cost time."""
+    return CostTable(KEY, _gemm(FREE), FREE, {"all_reduce": [latency, FREE], "all_gather": [latency, FREE]},
+                     overhead)

@@ -1,0 +1,227 @@
+"""The fixed framework time of a decode step, measured on this machine for the project's own
+layers: what the rates of ``cost_model`` cannot price.
+
+At llama-tiny sizes a TP=2 decode step is tens of milliseconds while its GEMMs and collectives are
+a fraction of one: the step is Python, Megatron's module glue, and each collective call's own
+Python beyond its transport's latency. That time hardly depends on the model's size, so it is
+measured where nothing else is left: two tiny LLaMA-shaped models (``SIZES``), every layout, run
+on ``tp`` local ranks exactly as a job runs them (``spawn_local``, the job's transport), a short
+greedy decode each (the generation loop in small, ``_time_stage``), timed per decode step with forward hooks on every layer and on its
+attention and MLP blocks (hooks time; they issue nothing). Per step, per rank:
+
+- a block's time is one call of it (the mean over layers);
+- a layer's own time is the layer's call minus its two blocks (norms, residual adds);
+- the outside is the step minus its layers (embedding, final norm, output layer, sampling, loop).
+
+Each is the median over the decode steps (the statistic ``bench`` reports), the slowest rank's.
+From each the cost model's own price at that size is taken away (GEMM, KV reads, collectives'
+latency and bandwidth: ``planning.auto``), and the remainder is extrapolated linearly in the
+block's parameters per rank to zero size — what is left at no size at all is the fixed cost. It
+is clamped to [0, the larger remainder], as a busy machine can make the line slope down.
+
+Limits: the models are LLaMA-shaped whatever the job's family; at a TP size above their 4 KV heads
+the dense layout is not measured (its blocks are then priced without fixed time); a job started by
+an external launcher that resolves ``auto`` inside its ranks measures from inside them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from deinfer_megatron.planning.cost_model import CostTable
+
+_LLAMA = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0,
+              tie_word_embeddings=False, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, vocab_size=256)
+SIZES = ({**_LLAMA, "hidden_size": 64, "intermediate_size": 176},
+         {**_LLAMA, "hidden_size": 128, "intermediate_size": 352})
+RATIO = 0.6  # parameters kept: every block decomposed, ranks as in the bench's synthetic models
+PROMPT, NEW_TOKENS = 8, 16
+PARTS = ("attention", "mlp", "layer", "outside")
+
+
+@dataclass(frozen=True)
+class OverheadJob:
+    """What every rank of the calibration runs (picklable)."""
+
+    tp: int
+    threads: int
+    layouts: tuple[str, ...]
+
+
+class BlockTimer:
+    """Forward hooks on every layer and its blocks, and an ``on_token`` hook that closes a step:
+    per decode step, the seconds of each part (module docstring)."""
+
+    def __init__(self, layers: Any) -> None:
+        self.layers = list(layers)
+        self.calls: dict[str, float] = {p: 0.0 for p in ("attention", "mlp", "layer")}
+        self.steps: list[dict[str, float]] = []
+        self._open: dict[int, float] = {}
+        self._mark: float | None = None
+        self._handles = []
+        for layer in self.layers:
+            for name, module in (("layer", layer), ("attention", layer.self_attention), ("mlp", layer.mlp)):
+                self._handles.append(module.register_forward_pre_hook(self._enter))
+                self._handles.append(module.register_forward_hook(self._leave(name)))
+
+    def _enter(self, module: Any, args: Any) -> None:
+        self._open[id(module)] = time.perf_counter()
+
+    def _leave(self, name: str) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            self.calls[name] += time.perf_counter() - self._open.pop(id(module))
+        return hook
+
+    def step_mark(self) -> None:
+        now = time.perf_counter()
+        if self._mark is not None:  # the prefill before the first mark is not a decode step
+            n, c = len(self.layers), self.calls
+            self.steps.append({"attention": c["attention"] / n, "mlp": c["mlp"] / n,
+                               "layer": (c["layer"] - c["attention"] - c["mlp"]) / n,
+                               "outside": now - self._mark - c["layer"]})
+        self.calls = {p: 0.0 for p in self.calls}
+        self._mark = now
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def medians(self) -> dict[str, float]:
+        steps = self.steps[1:] or self.steps  # the first decode step still warms caches
+        return {p: statistics.median(s[p] for s in steps) for p in PARTS}
+
+
+def _time_stage(stage: Any, batch: int = 1) -> dict[str, float]:
+    """Greedy decode of ``NEW_TOKENS`` tokens after a ``PROMPT``-token prefill, timed per step.
+
+    The loop is ``generation.loop``'s in small (prefill, then per step: the next tokens as Python
+    ints, a one-token forward through Megatron's static inference context) — that package
+    is above this one, and the loop's own bookkeeping per row is a few µs a step.
+    """
+    import torch
+    from megatron.core.inference.contexts.static_context import StaticInferenceContext
+
+    from deinfer_megatron.models.pipeline import broadcast_from_last_stage, stage_forward
+
+    timer = BlockTimer(stage.model.decoder.layers)
+    prompts = torch.tensor([[3 + (i * 7 + j) % 200 for j in range(PROMPT)] for i in range(batch)])
+    like = torch.zeros(batch, dtype=torch.long)
+    try:
+        for _ in range(2):  # the first run warms up; the second is measured
+            timer.steps.clear()
+            timer._mark = None
+            context = StaticInferenceContext(batch, PROMPT + NEW_TOKENS)
+            pos = torch.arange(PROMPT).expand_as(prompts)
+            logits = stage_forward(stage, prompts, pos, inference_context=context)
+            context.sequence_len_offset += PROMPT
+            for step in range(PROMPT, PROMPT + NEW_TOKENS):
+                last = logits[:, -1].argmax(-1) if logits is not None else None
+                chosen = broadcast_from_last_stage(stage, last, like).tolist()
+                timer.step_mark()
+                ids = torch.tensor(chosen).view(batch, 1)
+                logits = stage_forward(stage, ids, torch.full((batch, 1), step), inference_context=context)
+                context.sequence_len_offset += 1
+    finally:
+        timer.close()
+    return timer.medians()
+
+
+def _model(size: dict[str, Any]) -> tuple[Any, Any, dict[str, int]]:
+    """A size's architecture and uniform ranks keeping ``RATIO`` of every matrix's parameters."""
+    from deinfer_megatron.arch.model import arch_from_hf_config
+    from deinfer_megatron.specs.rank_config import RankConfig
+
+    arch = arch_from_hf_config(size)
+    ranks = {name: max(1, int(RATIO * m * n / (m + n))) for name, (m, n) in arch.linear_shapes().items()}
+    return arch, RankConfig.from_mapping(ranks, arch), ranks
+
+
+def overhead_worker(job: OverheadJob) -> dict[str, dict[str, float]]:
+    """On each rank: ``"<size>/<layout>"`` → the medians of every part (seconds)."""
+    import torch
+
+    from deinfer_megatron.models.build import build_stage, load_weights
+    from deinfer_megatron.models.synthetic import random_state
+    from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+
+    torch.set_num_threads(job.threads)
+    groups = init_parallel(job.tp, 1)
+    out = {}
+    try:
+        with torch.no_grad():
+            for s, size in enumerate(SIZES):
+                arch, rank_config, ranks = _model(size)
+                state = random_state(arch, ranks)
+                for layout in job.layouts:
+                    stage = build_stage(arch, rank_config, layout, groups)
+                    load_weights(stage, state, rank_config)
+                    out[f"{s}/{layout}"] = _time_stage(stage)
+    finally:
+        shutdown()
+    return out
+
+
+def _layouts(tp: int) -> tuple[str, ...]:
+    from deinfer_megatron.planning.auto import CANDIDATES
+
+    kv = SIZES[0]["num_key_value_heads"]
+    return tuple(c.value for c in CANDIDATES if not (c.value == "dense" and kv < tp))
+
+
+def intercept(r1: float, r2: float, p1: float, p2: float) -> float:
+    """The line through (p1, r1) and (p2, r2) at p = 0, clamped to [0, max(r1, r2)]."""
+    at_zero = r1 - (r2 - r1) * p1 / (p2 - p1) if p2 != p1 else min(r1, r2)
+    return min(max(at_zero, 0.0), max(r1, r2, 0.0))
+
+
+def fit(table: CostTable, tp: int, measured: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The fixed costs (``CostTable.overhead``'s entry for ``tp``) from every size's and layout's
+    measured parts (the slowest rank's), less the table's own price at each size."""
+    from deinfer_megatron.arch.model import transformer_config
+    from deinfer_megatron.parallel.topology import TPView
+    from deinfer_megatron.planning.auto import BLOCKS, Workload, choose_layouts, outside_seconds
+    from deinfer_megatron.planning.plan import block_costs
+    from deinfer_megatron.specs.layout import BlockLayouts, Layout
+
+    base = replace(table, overhead={})
+    work = Workload(tp=tp, batch=1, context=PROMPT + NEW_TOKENS // 2)
+    layouts = sorted({k.split("/")[1] for k in measured})
+    residual: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for s, size in enumerate(SIZES):
+        arch, rank_config, _ = _model(size)
+        config = transformer_config(arch, tp=tp, pp=1)
+        priced = choose_layouts(arch, rank_config, work, base).seconds[0]
+        ranks = rank_config.layers[0]
+        for layout in layouts:
+            got = measured[f"{s}/{layout}"]
+            lay = Layout(layout)
+            factored = lay.factor_classes is not None
+            costs = block_costs(config, BlockLayouts(lay, lay), ranks.attention if factored else None,
+                                ranks.mlp if factored else None, TPView(0, tp))
+            for b, cost in zip(BLOCKS, costs):
+                residual.setdefault((layout, b), []).append((cost.params, got[b] - priced[b][layout]))
+            residual.setdefault((layout, "layer"), []).append((arch.hidden_size, got["layer"]))
+            residual.setdefault((layout, "outside"), []).append(
+                (arch.vocab_size * arch.hidden_size, got["outside"] - outside_seconds(base, arch, work)))
+
+    def fixed(key: tuple[str, str]) -> float:
+        (p1, r1), (p2, r2) = residual[key]
+        return intercept(r1, r2, p1, p2)
+
+    return {"blocks": {l: {b: fixed((l, b)) for b in BLOCKS} for l in layouts},
+            "layer": statistics.median(fixed((l, "layer")) for l in layouts),
+            "outside": statistics.median(fixed((l, "outside")) for l in layouts)}
+
+
+def measure_overhead(table: CostTable, tp: int, *, timeout_s: float = 300.0) -> dict[str, Any]:
+    """``table``'s overhead entry for TP ``tp``, measured on ``tp`` local ranks (~10-20 s)."""
+    from deinfer_megatron.launch.local import spawn_local
+
+    job = OverheadJob(tp, table.key.threads, _layouts(tp))
+    per_rank = spawn_local(tp, overhead_worker, job, timeout=timeout_s)
+    slowest = {k: {p: max(r[k][p] for r in per_rank) for p in PARTS} for k in per_rank[0]}
+    return fit(table, tp, slowest)

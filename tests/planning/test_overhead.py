@@ -1,0 +1,138 @@
+"""Framework overhead in the cost model: the predicted step is the formula's, by arithmetic done
+here; auto's choice follows the overhead where it dominates; the fit recovers known fixed costs
+from timings made of them; a cache of the previous format is ignored; and the real calibration
+on two local ranks gives a complete, non-negative entry."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, replace
+
+import pytest
+
+from deinfer_megatron.arch.model import arch_from_hf_config
+from deinfer_megatron.planning import cost_model, overhead
+from deinfer_megatron.planning.auto import Workload, choose_layouts
+from deinfer_megatron.planning.cost_model import TableKey, cache_path, load_cached
+from deinfer_megatron.specs.layout import Layout
+from deinfer_megatron.specs.rank_config import RankConfig
+from tests.helpers.cost_tables import elements_only, latency_only, params_only, zero_overhead
+from tests.planning.test_auto import ATTN, CFG, MLP, _ranks, expected_by_elements
+
+LAT = 1e-4  # every collective's latency
+BLOCKS = {"deinfer": {"attention": 3e-3, "mlp": 2e-3}, "naive": {"attention": 5e-3, "mlp": 4e-3},
+          "dense": {"attention": 1e-3, "mlp": 7e-4}}
+LAYER, OUTSIDE = 2e-4, 6e-3
+
+
+def _model():
+    arch = arch_from_hf_config(CFG)
+    return arch, RankConfig.from_mapping(_ranks(), arch)
+
+
+def test_predicted_step_is_the_formula() -> None:
+    """4 layers: 0 and 2 decomposed, 1 and 3 dense. At TP 2, per DESIGN.md §3, a decomposed layer
+    issues 2 + 2 collectives in DeInfer, 4 + 3 in naive, 1 + 1 dense (a dense layer: 1 + 1 in every
+    layout, and its blocks pay dense's overhead); outside the layers Megatron's embedding
+    all-reduce and logits all-gather, the fixed outside time and 4 × the per-layer time."""
+    arch, ranks = _model()
+    table = latency_only(LAT, {"2": {"blocks": BLOCKS, "layer": LAYER, "outside": OUTSIDE}})
+    choice = choose_layouts(arch, ranks, Workload(tp=2, batch=8, context=64), table)
+    dense_layer = BLOCKS["dense"]["attention"] + BLOCKS["dense"]["mlp"] + 2 * LAT
+    outside = OUTSIDE + 4 * LAYER + 2 * LAT
+    want = {
+        "deinfer": 2 * (BLOCKS["deinfer"]["attention"] + BLOCKS["deinfer"]["mlp"] + 4 * LAT) + 2 * dense_layer,
+        "naive": 2 * (BLOCKS["naive"]["attention"] + BLOCKS["naive"]["mlp"] + 7 * LAT) + 2 * dense_layer,
+        "dense": 4 * dense_layer,
+    }
+    for layout, seconds in want.items():
+        assert choice.fixed_step_seconds(Layout(layout)) == pytest.approx(seconds + outside, rel=1e-9, abs=1e-12), layout
+    # dense has the least overhead and the fewest collectives in every block here
+    assert {b.attention.value for b in choice.plan.layers} == {"dense"}
+    assert choice.step_seconds == pytest.approx(want["dense"] + outside, rel=1e-9)
+
+
+def test_auto_follows_the_overhead_where_it_dominates() -> None:
+    """The elements-only table picks by elements per token (test_auto); an overhead of a second
+    on every layout but one moves every decomposed block to that one, dense blocks staying dense."""
+    arch, ranks = _model()
+    work = Workload(tp=2, batch=8, context=64)
+    before = [(b.attention.value, b.mlp.value) for b in choose_layouts(arch, ranks, work, elements_only()).plan.layers]
+    assert before == [(expected_by_elements(i, ATTN, 2), expected_by_elements(i, MLP, 2)) for i in range(4)]
+    for cheap in BLOCKS:
+        blocks = {l: {b: 0.0 if l == cheap else 1.0 for b in ("attention", "mlp")} for l in BLOCKS}
+        table = replace(elements_only(), overhead={"2": {"blocks": blocks, "layer": 0.0, "outside": 0.0}})
+        got = [(b.attention.value, b.mlp.value) for b in choose_layouts(arch, ranks, work, table).plan.layers]
+        assert got == [(cheap, cheap), ("dense", "dense"), (cheap, cheap), ("dense", "dense")], cheap
+        assert cheap == "dense" or got != before, "the overhead, not the elements, decided"
+    # the overhead of another TP size is not this one's
+    table = replace(elements_only(), overhead={"4": {"blocks": BLOCKS, "layer": 1.0, "outside": 1.0}})
+    assert [(b.attention.value, b.mlp.value) for b in choose_layouts(arch, ranks, work, table).plan.layers] == before
+
+
+def test_fit_recovers_known_fixed_costs() -> None:
+    """Timings made of the table's own price + a fixed cost + a slope in parameters give back
+    the fixed cost (the extrapolation to zero size)."""
+    from deinfer_megatron.arch.model import transformer_config
+    from deinfer_megatron.parallel.topology import TPView
+    from deinfer_megatron.planning.auto import outside_seconds
+    from deinfer_megatron.planning.plan import block_costs
+    from deinfer_megatron.specs.layout import BlockLayouts, Layout
+
+    table, tp, slope = params_only(), 2, 3e-9
+    work = Workload(tp=tp, batch=1, context=overhead.PROMPT + overhead.NEW_TOKENS // 2)
+    measured = {}
+    for s, size in enumerate(overhead.SIZES):
+        arch, rank_config, _ = overhead._model(size)
+        priced = choose_layouts(arch, rank_config, work, table).seconds[0]
+        config = transformer_config(arch, tp=tp, pp=1)
+        for layout in BLOCKS:
+            lay = Layout(layout)
+            f = lay.factor_classes is not None
+            r = rank_config.layers[0]
+            costs = block_costs(config, BlockLayouts(lay, lay), r.attention if f else None, r.mlp if f else None,
+                                TPView(0, tp))
+            parts = {b: priced[b][layout] + BLOCKS[layout][b] + slope * c.params
+                     for b, c in zip(("attention", "mlp"), costs)}
+            parts["layer"] = LAYER + slope * arch.hidden_size
+            parts["outside"] = outside_seconds(table, arch, work) + OUTSIDE + slope * arch.vocab_size * arch.hidden_size
+            measured[f"{s}/{layout}"] = parts
+    got = overhead.fit(table, tp, measured)
+    for layout in BLOCKS:
+        for b in ("attention", "mlp"):
+            assert got["blocks"][layout][b] == pytest.approx(BLOCKS[layout][b], rel=1e-6), (layout, b)
+    assert got["layer"] == pytest.approx(LAYER, rel=1e-6) and got["outside"] == pytest.approx(OUTSIDE, rel=1e-6)
+    assert overhead.intercept(2.0, 1.0, 1.0, 2.0) == 2.0, "a line sloping down is clamped to the larger value"
+    assert overhead.intercept(-1.0, -0.5, 1.0, 2.0) == 0.0
+
+
+def test_cache_of_the_previous_format_is_ignored(tmp_path, monkeypatch) -> None:
+    """A format-1 table (no overhead) is not trusted; host_table measures again, overhead included."""
+    key = TableKey.current(1)
+    old = asdict(replace(params_only(), key=replace(key, format=1)))
+    del old["overhead"]
+    path = cache_path(key, tmp_path)
+    path.write_text(json.dumps(old))
+    assert cost_model.FORMAT == 2 and load_cached(path, key) is None
+    measured = []
+    monkeypatch.setattr("deinfer_megatron.planning.calibrate.calibrate",
+                        lambda k, *, collectives: replace(params_only(), key=k))
+    monkeypatch.setattr("deinfer_megatron.planning.overhead.measure_overhead",
+                        lambda t, tp: measured.append(tp) or zero_overhead(tp)[str(tp)])
+    table = cost_model.host_table(tp=2, threads=1, root=tmp_path)
+    assert measured == [2] and table.overhead == zero_overhead(2)
+    assert load_cached(path, key) == table
+    cost_model.host_table(tp=4, threads=1, root=tmp_path)  # another TP size: its own overhead, once
+    cost_model.host_table(tp=4, threads=1, root=tmp_path)
+    assert measured == [2, 4] and set(load_cached(path, key).overhead) == {"2", "4"}
+
+
+def test_calibration_on_two_ranks() -> None:
+    """The real measurement (two local ranks, both tiny sizes, every layout): a complete entry of
+    finite, non-negative seconds, below what a whole tiny step could take."""
+    got = overhead.measure_overhead(replace(elements_only(), key=TableKey.current(1)), 2)
+    assert set(got["blocks"]) == {"deinfer", "naive", "dense"}
+    values = [v for per in got["blocks"].values() for v in per.values()] + [got["layer"], got["outside"]]
+    assert all(math.isfinite(v) and 0.0 <= v < 1.0 for v in values), got
+    assert sum(values) > 0, "a step has framework time"
