@@ -52,8 +52,7 @@ def predicted_parts(arch: Any, rank_config: Any, work: Any, table: Any, plan: An
 
 def predict(rec: CellRecord, source: Any, table: Any = None) -> Prediction | None:
     """The prediction for a measured, summarised cell; None where its layout cannot be priced."""
-    from deinfer_megatron.planning.auto import Workload, auto_plan
-    from deinfer_megatron.planning.cost_model import host_table
+    from deinfer_megatron.planning.auto import Workload, auto_plan, table_for
 
     assert rec.summary is not None, "predict a summarised cell"
     cell = rec.cell
@@ -69,7 +68,7 @@ def predict(rec: CellRecord, source: Any, table: Any = None) -> Prediction | Non
         if choice.fixed_step_seconds(layout) is None:
             return None
         plan, chosen = LayoutPlan.uniform(layout, source.arch.num_layers), layout.value
-    parts = predicted_parts(source.arch, source.rank_config, work, table or host_table(tp=cell.tp), plan)
+    parts = predicted_parts(source.arch, source.rank_config, work, table or table_for(source.arch, source.rank_config, work), plan)
     predicted, measured = sum(parts.values()), rec.summary.tpot_s
     return Prediction(predicted, measured, predicted / measured, chosen, parts)
 

@@ -11,8 +11,8 @@ from typing import Any
 from deinfer_megatron.checkpoints.folder import RANK_CONFIG, open_config
 from deinfer_megatron.cli.arguments import names, parsed_by
 from deinfer_megatron.cli.output import emit_json
-from deinfer_megatron.planning.auto import Workload, choose_layouts
-from deinfer_megatron.planning.cost_model import CostTable, host_table
+from deinfer_megatron.planning.auto import Workload, choose_layouts, table_for
+from deinfer_megatron.planning.cost_model import CostTable
 from deinfer_megatron.planning.plan import Plan, make_plan
 from deinfer_megatron.planning.report import format_plans
 from deinfer_megatron.specs.layout import AUTO, Layout, layout_option_names, parse_layout_option
@@ -106,8 +106,9 @@ def load_table(path: Path) -> CostTable:
 def auto_plan_with_prediction(arch: Any, ranks: RankConfig, cfg: PlanConfig) -> Plan:
     """The plan of ``--layout auto`` with the cost model's predicted decode step (the chosen
     plan's and every runnable fixed layout's) in its totals."""
-    table = load_table(cfg.cost_table) if cfg.cost_table is not None else host_table(tp=cfg.tp)
-    choice = choose_layouts(arch, ranks, Workload(tp=cfg.tp, batch=cfg.batch, context=cfg.seq), table)
+    work = Workload(tp=cfg.tp, batch=cfg.batch, context=cfg.seq)
+    table = load_table(cfg.cost_table) if cfg.cost_table is not None else table_for(arch, ranks, work)
+    choice = choose_layouts(arch, ranks, work, table)
     plan = make_plan(arch, ranks, choice.plan, tp=cfg.tp, pp=cfg.pp, batch=cfg.batch, seq=cfg.seq)
     predicted = {AUTO: choice.step_seconds}
     for layout in Layout:

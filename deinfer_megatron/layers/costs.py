@@ -20,6 +20,23 @@ from typing import NamedTuple
 from deinfer_megatron.parallel.topology import TPView
 
 
+class Gemm(NamedTuple):
+    """One matrix product a rank runs per forward, at the shape its shard has: ``rows × k`` input
+    by a ``k × n`` weight (``count`` of them side by side as one ``bmm`` for merged sections).
+    ``transposed``: the weight is stored ``(n, k)`` and applied by ``F.linear`` (Megatron's
+    dense layers), not input-major ``(k, n)`` as the factors store theirs — BLAS streams the two
+    at different speeds, so the cost model times each as it is run."""
+
+    k: int
+    n: int
+    count: int = 1
+    transposed: bool = False
+
+    @property
+    def weights(self) -> int:
+        return self.count * self.k * self.n
+
+
 class Collective(NamedTuple):
     """One collective per token: its kind and element count, as the ledger records them."""
 
@@ -39,12 +56,15 @@ class Cost:
         backward: the collectives the backward pass of the activations issues per token,
             listed in the forward order of the operations they are the adjoints of (the
             backward pass issues them in the reverse of this order).
+        gemms: the matrix products this rank runs, at its shard's shapes, in forward order
+            (what ``planning.cost_model`` prices, one measured shape each).
     """
 
     params: int = 0
     collectives: tuple[Collective, ...] = ()
     kv_heads: int = 0
     backward: tuple[Collective, ...] = ()
+    gemms: tuple[Gemm, ...] = ()
 
     def __add__(self, other: "Cost") -> "Cost":
         return Cost(
@@ -52,6 +72,7 @@ class Cost:
             self.collectives + other.collectives,
             self.kv_heads + other.kv_heads,
             self.backward + other.backward,
+            self.gemms + other.gemms,
         )
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from deinfer_megatron.layers.costs import Collective, Cost, issued
+from deinfer_megatron.layers.costs import Collective, Cost, Gemm, issued
 from deinfer_megatron.parallel import comm
 from deinfer_megatron.parallel.topology import TPView, balanced_split, unit_split
 
@@ -94,7 +94,8 @@ def dense_attention_cost(config: Any, tp: TPView) -> Cost:
     qkv_bias = config.add_qkv_bias or config.add_bias_linear
     params = rows * h + (rows if qkv_bias else 0) + h * q_span.size + (h if config.add_bias_linear else 0)
     return Cost(params, issued(tp, Collective("all_reduce", h)), kv_heads=kv_span.size // d,
-                backward=issued(tp, Collective("all_reduce", h)))  # linear_qkv's input gradient
+                backward=issued(tp, Collective("all_reduce", h)),  # linear_qkv's input gradient
+                gemms=(Gemm(h, rows, transposed=True), Gemm(q_span.size, h, transposed=True)))
 
 
 def dense_mlp_cost(config: Any, tp: TPView) -> Cost:
@@ -106,4 +107,5 @@ def dense_mlp_cost(config: Any, tp: TPView) -> Cost:
     rows = (2 if config.gated_linear_unit else 1) * i_span.size
     params = rows * h + (rows if bias else 0) + h * i_span.size + (h if bias else 0)
     return Cost(params, issued(tp, Collective("all_reduce", h)),
-                backward=issued(tp, Collective("all_reduce", h)))  # linear_fc1's input gradient
+                backward=issued(tp, Collective("all_reduce", h)),  # linear_fc1's input gradient
+                gemms=(Gemm(h, rows, transposed=True), Gemm(i_span.size, h, transposed=True)))

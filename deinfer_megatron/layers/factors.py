@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deinfer_megatron.layers.costs import Collective, Cost, issued, numel
+from deinfer_megatron.layers.costs import Collective, Cost, Gemm, issued, numel
 from deinfer_megatron.layers.factor_base import (
     Factor,
     InitMethod,
@@ -115,8 +115,9 @@ class _Down(Factor):
         forward pass and in the backward pass (of the activations)."""
         ranks = section_ranks_of(section_ranks)
         span = cls._input_span(input_size, ranks, tp, input_span, prefix)
-        return Cost(span.size * cls._local_columns(ranks, tp), cls._collectives(ranks, tp),
-                    backward=cls._backward_collectives(span.size, ranks, tp))
+        cols = cls._local_columns(ranks, tp)
+        return Cost(span.size * cols, cls._collectives(ranks, tp),
+                    backward=cls._backward_collectives(span.size, ranks, tp), gemms=(Gemm(span.size, cols),))
 
     @classmethod
     def _partition(cls, section_ranks: tuple[int, ...]) -> tuple[int, int]:
@@ -355,8 +356,9 @@ class _Up(Factor):
         """Parameters rank ``tp.rank`` holds and the collectives it issues per token."""
         ranks = section_ranks_of(section_ranks)
         weight, bias_shape = cls._shapes(output_size, ranks, tp, bias, unit_size)
-        rows = weight[2]
-        return Cost(numel(weight) + numel(bias_shape), cls._collectives(rows, len(ranks), tp))
+        sections, width, rows = weight
+        return Cost(numel(weight) + numel(bias_shape), cls._collectives(rows, len(ranks), tp),
+                    gemms=(Gemm(width, rows, sections),))  # one matmul, or one bmm of the sections
 
     @classmethod
     def _shapes(cls, output_size: int, section_ranks: tuple[int, ...], tp: TPView, bias: bool,

@@ -14,6 +14,10 @@ a whole decode step: the blocks, the fixed time per layer beside them, and what 
 layers, the same in every layout (``outside_seconds``: the output layer's GEMM, Megatron's two
 vocabulary collectives at TP > 1 and the fixed time of embedding, final norm and sampling).
 Not priced: prefill (one step against the decode steps of a generation).
+
+Every matrix product is priced at its own shape (``Cost.gemms``, ``CostTable.matmul_seconds``):
+``required_gemms`` lists what a workload's pricing will ask, so that ``table_for`` has the host
+table measure those shapes (once, cached) before ``choose_layouts`` runs.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deinfer_megatron.arch.model import ModelArch, transformer_config
-from deinfer_megatron.layers.costs import Cost
+from deinfer_megatron.layers.costs import Cost, Gemm
 from deinfer_megatron.parallel.topology import TPView
 from deinfer_megatron.planning.cost_model import CostTable
 from deinfer_megatron.planning.plan import block_costs
@@ -80,20 +84,24 @@ class AutoChoice:
         return total
 
 
-def weight_seconds(table: CostTable, work: Workload, params: int) -> float:
-    """``batch`` tokens through ``params`` weights: the GEMM at its measured rate, or the weights
-    streamed once from memory when that is slower. The GEMM grid is timed on weights hot in the
-    cache (at most 16 MiB, repeated); a model larger than the cache reads every weight from
-    memory each step, which at decode batch sizes is the larger of the two."""
-    return max(table.gemm_seconds(work.dtype, work.batch, params),
-               table.memory_seconds(params * work.dtype_bytes))
+def gemm_seconds(table: CostTable, work: Workload, gemms: tuple[Gemm, ...]) -> float:
+    """``batch`` rows through each of ``gemms`` (one decode token per sequence), each at its
+    own shape's measured time with weights from memory (``CostTable.matmul_seconds``)."""
+    return sum(table.matmul_seconds(work.dtype, work.batch, g) for g in gemms)
+
+
+def output_gemm(arch: ModelArch, tp: int) -> Gemm:
+    """Megatron's output layer on one rank: ``F.linear`` by its padded vocabulary rows."""
+    from deinfer_megatron.models.build import padded_vocab_size
+
+    return Gemm(arch.hidden_size, padded_vocab_size(arch.vocab_size, tp) // tp, transposed=True)
 
 
 def block_seconds(table: CostTable, cost: Cost, work: Workload, *, kv_bytes_per_token: int,
                   overhead_s: float = 0.0) -> float:
     """One block's share of a decode step on one rank (``cost_model``'s formula), with its fixed
     framework time ``overhead_s``."""
-    t = overhead_s + weight_seconds(table, work, cost.params)
+    t = overhead_s + gemm_seconds(table, work, cost.gemms)
     t += table.memory_seconds(work.batch * work.context * kv_bytes_per_token)
     for c in cost.collectives:
         t += table.collective_seconds(c.kind, work.batch * c.elements * work.dtype_bytes)
@@ -107,7 +115,7 @@ def outside_seconds(table: CostTable, arch: ModelArch, work: Workload) -> float:
     from deinfer_megatron.models.build import padded_vocab_size
 
     h, vocab = arch.hidden_size, padded_vocab_size(arch.vocab_size, work.tp)
-    t = weight_seconds(table, work, vocab // work.tp * h)
+    t = gemm_seconds(table, work, (output_gemm(arch, work.tp),))
     if work.tp > 1:
         t += table.collective_seconds("all_reduce", work.batch * h * work.dtype_bytes)
         t += table.collective_seconds("all_gather", work.batch * vocab * work.dtype_bytes)
@@ -122,6 +130,33 @@ def _allowed(layout: Layout, block: str, ranks: Any, arch: ModelArch, work: Work
     return True
 
 
+def layout_costs(config: Any, layout: Layout, ranks: Any, tp: TPView) -> tuple[Cost, Cost]:
+    """(attention, MLP) cost of one layer's blocks in ``layout`` on rank ``tp.rank``: a layout
+    without factor classes builds Megatron's dense blocks."""
+    factored = layout.factor_classes is not None
+    return block_costs(config, BlockLayouts(layout, layout), ranks.attention if factored else None,
+                       ranks.mlp if factored else None, tp)
+
+
+def required_gemms(arch: ModelArch, rank_config: RankConfig, work: Workload) -> set[tuple[Gemm, int]]:
+    """Every (matrix product, batch rows) that ``choose_layouts`` prices for ``work``."""
+    config = transformer_config(arch, tp=work.tp, pp=1)
+    gemms = {output_gemm(arch, work.tp)}
+    for ranks in {repr(r): r for r in rank_config.layers}.values():
+        for layout in CANDIDATES:
+            for rank in range(work.tp):
+                for cost in layout_costs(config, layout, ranks, TPView(rank, work.tp)):
+                    gemms.update(cost.gemms)
+    return {(g, work.batch) for g in gemms}
+
+
+def table_for(arch: ModelArch, rank_config: RankConfig, work: Workload) -> CostTable:
+    """This host's cached table with every shape ``work``'s pricing needs measured."""
+    from deinfer_megatron.planning.cost_model import host_table
+
+    return host_table(tp=work.tp, gemms=required_gemms(arch, rank_config, work), dtype=work.dtype)
+
+
 def choose_layouts(arch: ModelArch, rank_config: RankConfig, work: Workload, table: CostTable) -> AutoChoice:
     """Price every candidate for every block and keep the cheapest (see the module docstring)."""
     from deinfer_megatron.models.build import check_parallel_sizes
@@ -134,10 +169,9 @@ def choose_layouts(arch: ModelArch, rank_config: RankConfig, work: Workload, tab
         layer: dict[str, dict[str, float]] = {b: {} for b in BLOCKS}
         for layout in CANDIDATES:
             attn = ranks.attention if layout.factor_classes is not None else None
-            mlp = ranks.mlp if layout.factor_classes is not None else None
             worst = {b: 0.0 for b in BLOCKS}
             for rank in range(work.tp):
-                costs = block_costs(config, BlockLayouts(layout, layout), attn, mlp, TPView(rank, work.tp))
+                costs = layout_costs(config, layout, ranks, TPView(rank, work.tp))
                 latent = work.latent_cache and attn is not None and layout.supports_latent_cache
                 kv = (attn.k + attn.v if latent else 2 * costs[0].kv_heads * arch.head_dim) * work.dtype_bytes
                 for b, cost, kv_b, model_ranks in zip(BLOCKS, costs, (kv, 0), (ranks.attention, ranks.mlp)):
@@ -164,10 +198,8 @@ def auto_plan(arch: ModelArch, rank_config: RankConfig, work: Workload,
               table: CostTable | None = None) -> AutoChoice:
     """``choose_layouts`` with this host's cached (or freshly measured) table when none is given."""
     if table is None:
-        from deinfer_megatron.planning.cost_model import host_table
-
         try:
-            table = host_table(tp=work.tp)
+            table = table_for(arch, rank_config, work)
         except RuntimeError as err:  # nothing to measure the collectives with on this machine
             log.warning("--layout auto: %s; using the %s layout for every block", err, FALLBACK.value)
             return AutoChoice(LayoutPlan.uniform(FALLBACK, arch.num_layers), [])

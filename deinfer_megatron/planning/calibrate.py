@@ -5,16 +5,25 @@ over the shared-memory transport the job's local ranks use (``parallel.shm``).
 Each figure is the best of a few repetitions, because a shared machine only ever adds time: the
 fastest run is the closest to what the hardware does. Latency and bandwidth of a collective are
 the line through its time at a small and a large message.
+
+Matrix products are timed per shape as a plan needs them (``measure_shapes``): every call reads
+its weights from memory, as a decode step does (a model's weights on one rank outgrow the
+last-level cache, which two ranks also share): the weights are views at successive offsets of a
+pool larger than the last-level cache, so a view was last touched a whole pool ago. The pool is
+filled once per call of ``measure_shapes``; each (shape, rows) then costs two passes over it.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import time
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterable
 
 import torch
+import torch.nn.functional as F
 
+from deinfer_megatron.layers.costs import Gemm
 from deinfer_megatron.planning.cost_model import GEMM_DTYPES, CostTable, TableKey
 
 GEMM_TOKENS = (1, 8, 64, 256)
@@ -44,6 +53,79 @@ def measure_gemm(dtype: torch.dtype) -> list[list[float]]:
             seconds = _best(lambda: x @ w, 5)
             rows.append([float(m), float(n * n), 2.0 * m * n * n / seconds])
     return rows
+
+
+def last_level_cache_bytes() -> int:
+    """The largest cache of CPU 0 (sysfs); 32 MiB where the kernel does not say."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=32 << 20)
+
+
+MAX_POOL = 1 << 30  # bytes: the pool never exceeds this, whatever the cache reports
+ROUNDS = 2  # passes per (shape, rows), one per round over all of them; the fastest is kept
+MAX_CALLS = 512  # per pass: small weights cycle over a part of the pool (they fit a cache anyway)
+
+
+def _product(gemm: Gemm) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The call the layers make for ``gemm`` (``x @ W``, ``bmm`` of sections, ``F.linear``)."""
+    if gemm.transposed:
+        return lambda x, w: F.linear(x, w)
+    if gemm.count > 1:
+        return torch.bmm
+    return torch.matmul
+
+
+def measure_shapes(dtype: str, needs: Iterable[tuple[Gemm, int]], *, threads: int) -> dict[Gemm, list[list[float]]]:
+    """Per shape, ``[rows, seconds]`` of each requested row count, weights from memory (module
+    docstring): the fastest of ``ROUNDS`` passes, each the mean over its calls, the rounds going
+    over every case in turn so that the passes of one case lie seconds apart."""
+    torch.set_num_threads(threads)
+    wanted: dict[Gemm, set[int]] = {}
+    for gemm, rows in needs:
+        wanted.setdefault(gemm, set()).add(int(rows))
+    if not wanted:
+        return {}
+    t = getattr(torch, dtype)
+    elem = torch.empty((), dtype=t).element_size()
+    largest = max(g.weights for g in wanted)
+    pool_bytes = min(MAX_POOL, max(3 * last_level_cache_bytes() // 2, 3 * largest * elem))
+    used = max(min(MAX_CALLS, pool_bytes // elem // g.weights) * g.weights for g in wanted)
+    pool = torch.empty(max(used, largest), dtype=t)  # no larger than the passes read
+    pool.uniform_(-1.0, 1.0)  # no denormals, no NaNs
+    cases = []
+    for gemm, row_counts in wanted.items():
+        shape = (gemm.n, gemm.k) if gemm.transposed else (gemm.k, gemm.n)
+        if gemm.count > 1:
+            shape = (gemm.count, *shape)
+        copies = max(1, min(MAX_CALLS, pool.numel() // gemm.weights))
+        views = [pool[i * gemm.weights:(i + 1) * gemm.weights].view(shape) for i in range(copies)]
+        for rows in sorted(row_counts):
+            x = torch.randn(*((gemm.count,) if gemm.count > 1 else ()), rows, gemm.k).to(t)
+            cases.append((gemm, rows, _product(gemm), x, views))
+    best: dict[tuple[Gemm, int], float] = {}
+    with torch.no_grad():
+        for _ in range(ROUNDS):  # rounds over every case: a burst of load elsewhere hits one only
+            for gemm, rows, op, x, views in cases:
+                for w in views[-2:]:
+                    op(x, w)  # warm-up on the pass's last weights: its first are the least recent
+                start = time.perf_counter()
+                for w in views:
+                    op(x, w)
+                seconds = (time.perf_counter() - start) / len(views)
+                best[gemm, rows] = min(best.get((gemm, rows), float("inf")), seconds)
+    out: dict[Gemm, list[list[float]]] = {}
+    for (gemm, rows), seconds in sorted(best.items()):
+        out.setdefault(gemm, []).append([float(rows), seconds])
+    return out
 
 
 def measure_memory() -> float:

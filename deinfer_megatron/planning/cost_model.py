@@ -6,8 +6,8 @@ cost more than the collective it saves. The planner already says what each block
 sends (``Cost``: parameters per rank, collectives per token); a ``CostTable`` turns those counts
 into seconds for a decode step of ``batch`` sequences at ``context`` cached tokens:
 
-    t(block) = max(GEMM(batch tokens × the block's parameters on this rank),
-                   the block's weight bytes / memory bandwidth)
+    t(block) = Σ over the block's matrix products on this rank (``Cost.gemms``: k × n at its
+                 shard's shape) of their measured time at batch rows, weights read from memory
              + KV bytes read by attention / memory bandwidth        (attention blocks)
              + Σ collectives (latency + batch · elements · dtype bytes / bandwidth)
              + the block's fixed framework time (per layout and block kind, at this TP size)
@@ -21,6 +21,15 @@ The table is calibrated once per host (``planning.calibrate``) and cached as JSO
 cache dir, keyed by host id, project version, table format, torch version and thread count: a
 cached table whose key differs from the running process's (another host, an older version, other
 threads) is ignored and measured again, never trusted. Tests inject a table.
+
+The matrix products are timed per shape (``shapes``), lazily: a plan asks for the shapes and
+batch rows it will price (``planning.auto.required_gemms``), ``host_table`` measures the missing
+ones (``calibrate.measure_shapes``, a few ms each, weights cycled through more memory than the
+last-level cache holds, as a decode step reads them) and adds them to the cache. Why per shape:
+one GEMM of a block's parameters at rates of cached square matrices said a step hardly grows
+with batch, while at batch 8 a CPU GEMM of weights from memory is compute-bound at ~22 GFLOP/s
+and the step nearly doubles. A shape the table lacks (an injected table) falls back to the
+square grid: max(FLOPs / grid rate, weight bytes / memory bandwidth).
 """
 
 from __future__ import annotations
@@ -32,11 +41,13 @@ import os
 import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
+
+from deinfer_megatron.layers.costs import Gemm
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # 2: framework overhead per TP size. Bump when the table's fields or their meaning change: older caches are ignored
+FORMAT = 3  # 2: framework overhead per TP size; 3: matrix products timed per shape. Bump when the table's fields or their meaning change: older caches are ignored
 GEMM_DTYPES = ("float32", "bfloat16")
 
 
@@ -94,6 +105,8 @@ class CostTable:
             ``{"blocks": {layout: {"attention": s, "mlp": s}}, "layer": s, "outside": s}`` — per
             block call by layout, per layer beside its blocks, and once per step outside the
             layers (``planning.overhead``). A TP size without an entry is priced at zero.
+        shapes: ``shape_key(dtype, gemm)`` → rows ``[batch rows, seconds]`` (ascending rows) of
+            that matrix product with its weights read from memory (``calibrate.measure_shapes``).
     """
 
     key: TableKey
@@ -101,6 +114,7 @@ class CostTable:
     memory_bytes_per_s: float
     collectives: dict[str, list[float]] = field(default_factory=dict)
     overhead: dict[str, dict[str, Any]] = field(default_factory=dict)
+    shapes: dict[str, list[list[float]]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,7 +124,8 @@ class CostTable:
         return cls(TableKey(**doc["key"]), {k: [list(map(float, r)) for r in v] for k, v in doc["gemm"].items()},
                    float(doc["memory_bytes_per_s"]),
                    {k: [float(v[0]), float(v[1])] for k, v in doc.get("collectives", {}).items()},
-                   {tp: _overhead_from_json(o) for tp, o in doc.get("overhead", {}).items()})
+                   {tp: _overhead_from_json(o) for tp, o in doc.get("overhead", {}).items()},
+                   {k: sorted([float(m), float(t)] for m, t in v) for k, v in doc.get("shapes", {}).items()})
 
     # ------------------------------------------------------------------ predictions
 
@@ -122,6 +137,23 @@ class CostTable:
         rows = self.gemm.get(dtype) or self.gemm["float32"]
         rate = _interpolate(rows, math.log(m), math.log(elements))
         return 2.0 * m * elements / rate
+
+    def matmul_seconds(self, dtype: str, rows: int, gemm: Gemm) -> float:
+        """One product of ``rows`` input rows by ``gemm``'s weights: its measured time at this
+        shape (``shape_seconds``), or — a shape never measured — the square grid's rate at its
+        weight count, or the weights streamed from memory when that is slower."""
+        if rows <= 0 or gemm.weights <= 0:
+            return 0.0
+        measured = self.shapes.get(shape_key(dtype, gemm))
+        if measured:
+            return shape_seconds(measured, rows)
+        nbytes = gemm.weights * (2 if dtype in ("bfloat16", "float16") else 4)
+        return max(self.gemm_seconds(dtype, rows, gemm.weights), self.memory_seconds(nbytes))
+
+    def missing_shapes(self, dtype: str, needs: Iterable[tuple[Gemm, int]]) -> set[tuple[Gemm, int]]:
+        """The (shape, rows) of ``needs`` this table has not measured."""
+        have = {(k, int(m)) for k, rows in self.shapes.items() for m, _ in rows}
+        return {(g, m) for g, m in needs if (shape_key(dtype, g), m) not in have}
 
     def memory_seconds(self, nbytes: float) -> float:
         return nbytes / self.memory_bytes_per_s if nbytes > 0 else 0.0
@@ -143,6 +175,35 @@ class CostTable:
         what an all-reduce does."""
         latency, bandwidth = self.collectives.get(kind) or self.collectives["all_reduce"]
         return latency + nbytes / bandwidth
+
+
+def shape_key(dtype: str, gemm: Gemm) -> str:
+    """``float32:2048x717x1`` (``T`` appended for a weight stored ``(n, k)``)."""
+    return f"{dtype}:{gemm.k}x{gemm.n}x{gemm.count}{'T' if gemm.transposed else ''}"
+
+
+def shape_seconds(rows: list[list[float]], m: float) -> float:
+    """The time at ``m`` batch rows from measured ``[rows, seconds]`` (ascending rows):
+    piecewise linear in rows between measurements, never decreasing with rows (each time is
+    taken as at least every smaller batch's: a noisy run cannot make more rows cheaper), the
+    smallest measurement below the grid and the last segment's slope beyond it (proportional
+    to rows from a single measurement)."""
+    ms = [r[0] for r in rows]
+    ts: list[float] = []
+    for _, t in rows:
+        ts.append(max(t, ts[-1]) if ts else t)
+    if m <= ms[0]:
+        return ts[0]
+    if m >= ms[-1]:
+        if len(ms) == 1:
+            return ts[0] * m / ms[0]
+        slope = (ts[-1] - ts[-2]) / (ms[-1] - ms[-2])
+        return ts[-1] + slope * (m - ms[-1])
+    for i in range(len(ms) - 1):
+        if ms[i] <= m <= ms[i + 1]:
+            f = (m - ms[i]) / (ms[i + 1] - ms[i])
+            return ts[i] * (1 - f) + ts[i + 1] * f
+    raise AssertionError("unreachable: m lies inside the grid")
 
 
 def _overhead_from_json(doc: dict[str, Any]) -> dict[str, Any]:
@@ -211,10 +272,28 @@ def save(table: CostTable, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def host_table(*, tp: int, threads: int | None = None, root: Path | None = None) -> CostTable:
+def with_shapes(table: CostTable, dtype: str, needs: Iterable[tuple[Gemm, int]]) -> CostTable:
+    """``table`` with every (shape, rows) of ``needs`` measured (only those it lacks)."""
+    from dataclasses import replace
+
+    missing = table.missing_shapes(dtype, needs)
+    if not missing:
+        return table
+    from deinfer_megatron.planning.calibrate import measure_shapes
+
+    shapes = {k: list(v) for k, v in table.shapes.items()}
+    for gemm, rows in measure_shapes(dtype, missing, threads=table.key.threads).items():
+        key = shape_key(dtype, gemm)
+        shapes[key] = sorted(shapes.get(key, []) + rows)
+    return replace(table, shapes=shapes)
+
+
+def host_table(*, tp: int, threads: int | None = None, root: Path | None = None,
+               gemms: Iterable[tuple[Gemm, int]] = (), dtype: str = "float32") -> CostTable:
     """This host's table: the cached one if its key matches, else a fresh calibration (seconds),
-    cached for the next job. ``tp`` > 1 needs the collectives measured too, and every TP size its
-    framework overhead (``planning.overhead``, measured once per TP size on ``tp`` local ranks)."""
+    cached for the next job. ``tp`` > 1 needs the collectives measured too, every TP size its
+    framework overhead (``planning.overhead``, measured once per TP size on ``tp`` local ranks),
+    and every (shape, batch rows) of ``gemms`` in ``dtype`` its time (``with_shapes``)."""
     from dataclasses import replace
 
     from deinfer_megatron.planning.calibrate import calibrate
@@ -222,14 +301,18 @@ def host_table(*, tp: int, threads: int | None = None, root: Path | None = None)
     key = TableKey.current(threads)
     path = cache_path(key, root)
     table = load_cached(path, key)
-    if table is not None and (tp == 1 or table.collectives) and str(tp) in table.overhead:
+    gemms = list(gemms)
+    if (table is not None and (tp == 1 or table.collectives) and str(tp) in table.overhead
+            and not table.missing_shapes(dtype, gemms)):
         return table
     if table is None or (tp > 1 and not table.collectives):
         table = calibrate(key, collectives=tp > 1)
     if str(tp) not in table.overhead:
-        from deinfer_megatron.planning.overhead import measure_overhead
+        from deinfer_megatron.planning.overhead import measure_overhead, required_gemms
 
+        table = with_shapes(table, "float32", required_gemms(tp))  # what its fit prices
         table = replace(table, overhead={**table.overhead, str(tp): measure_overhead(table, tp)})
+    table = with_shapes(table, dtype, gemms)
     save(table, path)
     log.info("cost table measured and cached in %s", path)
     return table

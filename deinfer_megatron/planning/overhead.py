@@ -165,6 +165,17 @@ def overhead_worker(job: OverheadJob) -> dict[str, dict[str, float]]:
     return out
 
 
+def required_gemms(tp: int) -> set[tuple[Any, int]]:
+    """The matrix products (and batch rows) that ``fit`` prices: both sizes, batch 1."""
+    from deinfer_megatron.planning.auto import Workload, required_gemms as plan_gemms
+
+    out: set[tuple[Any, int]] = set()
+    for size in SIZES:
+        arch, rank_config, _ = _model(size)
+        out |= plan_gemms(arch, rank_config, Workload(tp=tp, batch=1))
+    return out
+
+
 def _layouts(tp: int) -> tuple[str, ...]:
     from deinfer_megatron.planning.auto import CANDIDATES
 

@@ -113,15 +113,17 @@ def test_speedups_and_reports(tiny) -> None:
 @pytest.fixture(scope="module")
 def auto_and_peers(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dict]:
     """``auto`` and ``deinfer`` at TP=2, with both peers beside them (one launch for all)."""
-    from tests.helpers.cost_tables import elements_only, zero_overhead
+    from tests.helpers.cost_tables import elements_only, with_free_shapes, zero_overhead
     from deinfer_megatron.planning import cost_model
 
     tmp_path = tmp_path_factory.mktemp("auto-peers")
     table = elements_only()
     key = cost_model.TableKey.current(1)
-    cost_model.save(cost_model.CostTable(key, table.gemm, table.memory_bytes_per_s, table.collectives,
-                                         zero_overhead(2)),
-                    cost_model.cache_path(key, tmp_path / "cache" / "cost_model"))
+    arch = synthetic_arch("llama-tiny")
+    table = with_free_shapes(cost_model.CostTable(key, table.gemm, table.memory_bytes_per_s, table.collectives,
+                                                  zero_overhead(2)),
+                             arch, RankConfig.from_mapping(uniform_ranks(arch, 0.6), arch), tp=2, batches=(2,))
+    cost_model.save(table, cost_model.cache_path(key, tmp_path / "cache" / "cost_model"))
     proc = subprocess.run([*CLI, "--synthetic", "llama-tiny", "--tp", "2", "--batch", "2", "--gen-len", str(GEN_LEN),
                            "--repeats", "1", "--layouts", "auto,deinfer", "--peers", "hf,deepspeed",
                            "--json", "out.json", "--markdown", "out.md"],

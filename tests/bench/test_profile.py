@@ -18,7 +18,7 @@ from deinfer_megatron.planning import cost_model
 from deinfer_megatron.planning.auto import Workload, choose_layouts
 from deinfer_megatron.specs.layout import Layout
 from deinfer_megatron.specs.rank_config import RankConfig
-from tests.helpers.cost_tables import latency_only
+from tests.helpers.cost_tables import latency_only, with_free_shapes
 
 CLI = [sys.executable, "-m", "deinfer_megatron.cli.main", "bench"]
 PARTS = ("gemm_s", "collective_wait_s", "collective_s", "other_s")
@@ -32,6 +32,8 @@ def profiled(tmp_path_factory) -> tuple[dict, str, cost_model.CostTable]:
     planted = latency_only(2e-5, OVERHEAD)
     key = cost_model.TableKey.current(1)
     table = cost_model.CostTable(key, planted.gemm, planted.memory_bytes_per_s, planted.collectives, planted.overhead)
+    arch = synthetic_arch("llama-tiny")  # matrix products free, as the planted grid prices them
+    table = with_free_shapes(table, arch, RankConfig.from_mapping(uniform_ranks(arch, 0.6), arch), tp=2, batches=(2,))
     cost_model.save(table, cost_model.cache_path(key, tmp / "cache" / "cost_model"))
     proc = subprocess.run([*CLI, "--synthetic", "llama-tiny", "--tp", "2", "--batch", "2", "--gen-len", "3",
                            "--repeats", "1", "--layouts", "naive,deinfer", "--profile", "--predict",

@@ -35,3 +35,27 @@ def latency_only(latency: float, overhead: dict[str, dict]) -> CostTable:
     """Only each collective's latency and the given fixed overheads cost time."""
     return CostTable(KEY, _gemm(FREE), FREE, {"all_reduce": [latency, FREE], "all_gather": [latency, FREE]},
                      overhead)
+
+
+def fake_measure_shapes(dtype: str, needs, *, threads: int) -> dict:
+    """A stand-in for ``calibrate.measure_shapes``: a microsecond per weight row per batch row."""
+    out: dict = {}
+    for gemm, rows in needs:
+        out.setdefault(gemm, []).append([float(rows), 1e-6 * rows * gemm.k])
+    return out
+
+
+def with_free_shapes(table: CostTable, arch, rank_config, *, tp: int, batches) -> CostTable:
+    """``table`` with every matrix product a plan of ``arch`` at these batch sizes prices planted
+    at zero seconds, so that ``host_table`` finds it complete (a bench run planted with it
+    measures no shapes) and only what the table itself prices costs time."""
+    from dataclasses import replace
+
+    from deinfer_megatron.planning.auto import Workload, required_gemms
+    from deinfer_megatron.planning.cost_model import shape_key
+
+    shapes = dict(table.shapes)
+    for b in batches:
+        for g, m in required_gemms(arch, rank_config, Workload(tp=tp, batch=b)):
+            shapes.setdefault(shape_key("float32", g), []).append([float(m), 0.0])
+    return replace(table, shapes={k: sorted(v) for k, v in shapes.items()})

@@ -14,7 +14,7 @@ from deinfer_megatron.planning.auto import Workload, choose_layouts
 from deinfer_megatron.planning.cost_model import TableKey, cache_path, load_cached, save
 from deinfer_megatron.specs.layout import Layout
 from deinfer_megatron.specs.rank_config import RankConfig
-from tests.helpers.cost_tables import elements_only, params_only, zero_overhead
+from tests.helpers.cost_tables import elements_only, fake_measure_shapes, params_only, zero_overhead
 from tests.helpers.tiny_models import TINY_CONFIGS
 
 CFG = TINY_CONFIGS["llama"]
@@ -118,6 +118,7 @@ def test_cache_of_another_host_or_version_is_ignored(tmp_path, monkeypatch) -> N
         return replace(table, key=k)
 
     monkeypatch.setattr("deinfer_megatron.planning.calibrate.calibrate", fake_calibrate)
+    monkeypatch.setattr("deinfer_megatron.planning.calibrate.measure_shapes", fake_measure_shapes)
     monkeypatch.setattr("deinfer_megatron.planning.overhead.measure_overhead",
                         lambda t, tp: zero_overhead(tp)[str(tp)])
     path.write_text(json.dumps(replace(table, key=replace(key, host="elsewhere")).to_json()))

@@ -17,7 +17,7 @@ from deinfer_megatron.planning.auto import Workload, choose_layouts
 from deinfer_megatron.planning.cost_model import TableKey, cache_path, load_cached
 from deinfer_megatron.specs.layout import Layout
 from deinfer_megatron.specs.rank_config import RankConfig
-from tests.helpers.cost_tables import elements_only, latency_only, params_only, zero_overhead
+from tests.helpers.cost_tables import elements_only, fake_measure_shapes, latency_only, params_only, zero_overhead
 from tests.planning.test_auto import ATTN, CFG, MLP, _ranks, expected_by_elements
 
 LAT = 1e-4  # every collective's latency
@@ -114,8 +114,9 @@ def test_cache_of_the_previous_format_is_ignored(tmp_path, monkeypatch) -> None:
     del old["overhead"]
     path = cache_path(key, tmp_path)
     path.write_text(json.dumps(old))
-    assert cost_model.FORMAT == 2 and load_cached(path, key) is None
+    assert cost_model.FORMAT == 3 and load_cached(path, key) is None
     measured = []
+    monkeypatch.setattr("deinfer_megatron.planning.calibrate.measure_shapes", fake_measure_shapes)
     monkeypatch.setattr("deinfer_megatron.planning.calibrate.calibrate",
                         lambda k, *, collectives: replace(params_only(), key=k))
     monkeypatch.setattr("deinfer_megatron.planning.overhead.measure_overhead",
