@@ -97,7 +97,8 @@ class CostTable:
 
     Attributes:
         key: what the measurement is valid for.
-        gemm: dtype name → rows ``[m, weight elements, flop/s]`` of ``x[m, n] @ W[n, n]``.
+        gemm: dtype name → rows ``[m, weight elements, flop/s]`` of ``x[m, n] @ W[n, n]``
+            (cached weights): the price of a matrix product only where ``shapes`` lacks it.
         memory_bytes_per_s: streaming read bandwidth of one process.
         collectives: kind (``all_reduce``, ``all_gather``) → ``[latency s, bytes/s]`` between the
             ranks of one node (the job's shared-memory transport).
