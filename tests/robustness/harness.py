@@ -79,6 +79,15 @@ class Result:
         return [line for line in self.stderr.strip().splitlines() if line.strip()]
 
 
+def _as_from_a_terminal() -> None:
+    """In the child before exec: Ctrl-C's default disposition and an empty blocked mask, as a
+    shell gives a foreground command. A test process may have inherited SIGINT ignored or
+    blocked (a background runner, a thread that spawned us); the command must not inherit that,
+    or the Ctrl-C test measures the runner instead of the command."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+
+
 class Job:
     """One CLI command as a process of its own (not yet waited on)."""
 
@@ -89,7 +98,15 @@ class Job:
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", MARKER: self.marker, "TMPDIR": str(self.tmpdir),
                     **(env or {})}
         self.proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=full_env, start_new_session=True)
+                                     text=True, env=full_env, start_new_session=True, preexec_fn=_as_from_a_terminal)
+
+    def signal_state(self) -> str:
+        """The command's ignored and blocked signal masks (``/proc``), for a failure message."""
+        try:
+            status = Path(f"/proc/{self.proc.pid}/status").read_text().splitlines()
+        except OSError:
+            return "gone"
+        return ", ".join(line for line in status if line.startswith(("SigIgn", "SigBlk")))
 
     def processes(self) -> list[int]:
         return processes_with(self.marker)

@@ -57,8 +57,10 @@ def test_killing_the_command_ends_its_ranks(models, tmp_path) -> None:
 
 def test_ctrl_c_is_one_line_and_stops_every_rank(models, tmp_path) -> None:
     job, _ = _running(models, tmp_path)
+    state = job.signal_state()
     os.killpg(job.proc.pid, signal.SIGINT)  # what a terminal sends: the whole foreground group
     result = job.finish(timeout=30)
+    assert result.code == 130, f"exit {result.code} after SIGINT; the command had {state}"
     assert_one_line_error(result, "interrupted", code=130)
 
 
