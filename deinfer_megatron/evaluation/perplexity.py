@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from deinfer_megatron.files.text import read_text
 from deinfer_megatron.launch.env import detect
 from deinfer_megatron.launch.run import run_on_ranks
-from deinfer_megatron.planning.agree import agreed_plan, needs_agreement, plan_on_rank0
+from deinfer_megatron.planning.agree import needs_agreement, plan_in_job, plan_on_rank0
 from deinfer_megatron.specs.layout import AUTO, Layout, LayoutPlan, parse_layout_option
 
 
@@ -78,7 +78,7 @@ def _rank(job: PerplexityJob) -> dict:
             from deinfer_megatron.checkpoints.folder import open_config
             from deinfer_megatron.planning.preflight import check_fits
 
-            job = replace(job, layout=agreed_plan(mine, groups.device))
+            job = replace(job, layout=plan_in_job(lambda link: auto_plan_for(job, link), mine, groups)[0])
             check_fits(*open_config(job.model, verify=False), job.layout, tp=job.tp, pp=job.pp, dtype_bytes=4)
         stage = load_folder(job.model, job.layout, groups, verify=False)  # evaluate() verified it
         device = next(stage.model.parameters()).device  # the windows go where the stage lives
@@ -102,7 +102,7 @@ def _rank(job: PerplexityJob) -> dict:
             "layout": job.layout.value, **plan}  # the layout the ranks built (a launched auto: agreed there)
 
 
-def auto_plan_for(job: PerplexityJob) -> LayoutPlan:
+def auto_plan_for(job: PerplexityJob, collectives: dict[str, list[float]] | None = None) -> LayoutPlan:
     """The cost model's plan for ``job`` from this host's cost table. A perplexity pass is one
     forward of batch × window tokens: priced as that many tokens through the weights, each
     attending to about a window of context."""
@@ -110,7 +110,8 @@ def auto_plan_for(job: PerplexityJob) -> LayoutPlan:
     from deinfer_megatron.planning.auto import Workload, auto_plan
 
     arch, ranks = open_config(job.model, verify=False)  # evaluate() verifies
-    return auto_plan(arch, ranks, Workload(tp=job.tp, batch=job.batch * job.window, context=job.window)).plan
+    work = Workload(tp=job.tp, batch=job.batch * job.window, context=job.window)
+    return auto_plan(arch, ranks, work, collectives=collectives).plan
 
 
 def evaluate(job: PerplexityJob) -> dict | None:

@@ -28,7 +28,7 @@ from deinfer_megatron.generation.sampling import SamplingParams
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.specs.layout import AUTO
 from deinfer_megatron.parallel import comm
-from deinfer_megatron.planning.agree import agreed_plan, needs_agreement, plan_on_rank0
+from deinfer_megatron.planning.agree import needs_agreement, plan_in_job, plan_on_rank0
 from deinfer_megatron.launch.run import run_on_ranks
 
 log = logging.getLogger(__name__)
@@ -183,13 +183,15 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
     par, cache = job.parallel, job.cache
     tokenizer = _tokenizer(job.model)
     agree = needs_agreement(par.layout)  # launched with auto: rank 0's plan, for every rank
+    measured = None  # the TP group's collective rates that plan was priced with
     mine = plan_on_rank0(lambda: auto_plan_for(job, prompt_ids)) if agree else None
     groups = init_parallel(par.tp, par.pp, collectives=par.collectives)
     try:
         if agree:
             from deinfer_megatron.checkpoints.folder import open_config
 
-            job = replace(job, parallel=replace(par, layout=agreed_plan(mine, groups.device)))
+            plan, measured = plan_in_job(lambda link: auto_plan_for(job, prompt_ids, collectives=link), mine, groups)
+            job = replace(job, parallel=replace(par, layout=plan))
             par = job.parallel
             check_layout(job, prompt_ids, *open_config(job.model, verify=False))
         stage = load_folder(job.model, par.layout, groups, dtype=job.dtype.torch, verify=False)  # prepare() verified
@@ -238,6 +240,7 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
         "engine": job.engine.value,
         "layout": par.layout.value, **_block_layouts(par.layout), "kv_cache": cache.kind.value, "tp": par.tp, "pp": par.pp,
         "collectives": groups.transport.kind,  # what carried rank 0's TP collectives
+        **({"auto_collectives": measured} if measured else {}),  # [latency s, bytes/s] per kind
     }
 
 
@@ -260,9 +263,11 @@ def _texts(job: GenerateJob, tokenizer: Any, outputs: list[Any]) -> list[dict[st
     return results
 
 
-def auto_plan_for(job: GenerateJob, prompt_ids: list[list[int]]) -> Any:
+def auto_plan_for(job: GenerateJob, prompt_ids: list[list[int]],
+                  collectives: dict[str, list[float]] | None = None) -> Any:
     """The cost model's plan for ``job``'s batch (the prompts) and context (the longest prompt
-    plus the new tokens), from this host's cost table."""
+    plus the new tokens), from this host's cost table (its collectives replaced by
+    ``collectives`` where the job measured its own TP group)."""
     from deinfer_megatron.checkpoints.folder import open_config
     from deinfer_megatron.planning.auto import Workload, auto_plan
 
@@ -270,7 +275,7 @@ def auto_plan_for(job: GenerateJob, prompt_ids: list[list[int]]) -> Any:
     work = Workload(tp=job.parallel.tp, batch=len(prompt_ids),
                     context=max(map(len, prompt_ids)) + job.max_new_tokens, dtype=job.dtype.value,
                     latent_cache=job.cache.kind is CacheKind.LATENT)
-    return auto_plan(arch, ranks, work).plan
+    return auto_plan(arch, ranks, work, collectives=collectives).plan
 
 
 def resolve_layout(job: GenerateJob, prompt_ids: list[list[int]]) -> GenerateJob:
