@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from deinfer_megatron.files.text import read_text
+from deinfer_megatron.launch.env import detect
 from deinfer_megatron.launch.run import run_on_ranks
+from deinfer_megatron.planning.agree import needs_agreement, plan_in_job, plan_on_rank0
 from deinfer_megatron.specs.layout import AUTO, Layout, LayoutPlan, parse_layout_option
 
 
@@ -26,7 +28,8 @@ class PerplexityJob:
 
     ``layout`` is parsed on construction (``parse_layout_option``; a ``Layout`` passes
     unchanged), so a job built in Python may name it; ``"auto"`` is resolved by the cost model
-    for ``batch`` windows of ``window`` tokens before the ranks start.
+    for ``batch`` windows of ``window`` tokens before the ranks start (under a launcher: by
+    global rank 0 for every rank, ``planning.agree``).
     """
 
     model: Path
@@ -67,8 +70,16 @@ def _rank(job: PerplexityJob) -> dict:
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
 
     windows = token_windows(job.model, job.text, job.max_tokens, job.window)
+    agree = needs_agreement(job.layout)  # launched with auto: rank 0's plan, for every rank
+    mine = plan_on_rank0(lambda: auto_plan_for(job)) if agree else None
     groups = init_parallel(job.tp, job.pp)
     try:
+        if agree:
+            from deinfer_megatron.checkpoints.folder import open_config
+            from deinfer_megatron.planning.preflight import check_fits
+
+            job = replace(job, layout=plan_in_job(lambda link: auto_plan_for(job, link), mine, groups)[0])
+            check_fits(*open_config(job.model, verify=False), job.layout, tp=job.tp, pp=job.pp, dtype_bytes=4)
         stage = load_folder(job.model, job.layout, groups, verify=False)  # evaluate() verified it
         device = next(stage.model.parameters()).device  # the windows go where the stage lives
         total = torch.zeros(2, dtype=torch.float64, device=device)  # summed NLL, predicted tokens
@@ -86,7 +97,21 @@ def _rank(job: PerplexityJob) -> dict:
     finally:
         shutdown()
     nll, count = total.tolist()
-    return {"ppl": math.exp(nll / count), "tokens": int(count), "windows": int(windows.shape[0])}
+    plan = {"block_layouts": job.layout.to_json()} if isinstance(job.layout, LayoutPlan) else {}
+    return {"ppl": math.exp(nll / count), "tokens": int(count), "windows": int(windows.shape[0]),
+            "layout": job.layout.value, **plan}  # the layout the ranks built (a launched auto: agreed there)
+
+
+def auto_plan_for(job: PerplexityJob, collectives: dict[str, list[float]] | None = None) -> LayoutPlan:
+    """The cost model's plan for ``job`` from this host's cost table. A perplexity pass is one
+    forward of batch × window tokens: priced as that many tokens through the weights, each
+    attending to about a window of context."""
+    from deinfer_megatron.checkpoints.folder import open_config
+    from deinfer_megatron.planning.auto import Workload, auto_plan
+
+    arch, ranks = open_config(job.model, verify=False)  # evaluate() verifies
+    work = Workload(tp=job.tp, batch=job.batch * job.window, context=job.window)
+    return auto_plan(arch, ranks, work, collectives=collectives).plan
 
 
 def evaluate(job: PerplexityJob) -> dict | None:
@@ -100,17 +125,13 @@ def evaluate(job: PerplexityJob) -> dict | None:
                          f"{arch.max_positions} tokens; use --window {arch.max_positions} or less")
     if job.max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {job.max_tokens}")
-    if job.layout == AUTO:
-        from deinfer_megatron.planning.auto import Workload, auto_plan
-
-        # A perplexity pass is one forward of batch × window tokens: priced as that many tokens
-        # through the weights, each attending to about a window of context.
-        work = Workload(tp=job.tp, batch=job.batch * job.window, context=job.window)
-        job = replace(job, layout=auto_plan(arch, ranks, work).plan)
-    check_fits(arch, ranks, job.layout, tp=job.tp, pp=job.pp, dtype_bytes=4)
+    if job.layout == AUTO and detect() is None:  # under a launcher: resolved in the ranks (_rank)
+        job = replace(job, layout=auto_plan_for(job))
+    if not needs_agreement(job.layout):
+        check_fits(arch, ranks, job.layout, tp=job.tp, pp=job.pp, dtype_bytes=4)
     open_model(job.model, verify=job.verify)
     token_windows(job.model, job.text, job.max_tokens, job.window)
     result = run_on_ranks(job.tp * job.pp, _rank, job)
     if result is None:
         return None
-    return {**result, "model": str(job.model), "layout": job.layout.value, "tp": job.tp, "pp": job.pp}
+    return {**result, "model": str(job.model), "tp": job.tp, "pp": job.pp}

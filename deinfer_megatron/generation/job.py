@@ -28,6 +28,7 @@ from deinfer_megatron.generation.sampling import SamplingParams
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.specs.layout import AUTO
 from deinfer_megatron.parallel import comm
+from deinfer_megatron.planning.agree import needs_agreement, plan_in_job, plan_on_rank0
 from deinfer_megatron.launch.run import run_on_ranks
 
 log = logging.getLogger(__name__)
@@ -105,27 +106,35 @@ def validate(job: GenerateJob, prompt_ids: list[list[int]]) -> None:
     """Everything that can be checked before ranks start (the weights' manifest included)."""
     from deinfer_megatron.checkpoints.folder import open_config, open_model
     from deinfer_megatron.generation.context import slot_length
-    from deinfer_megatron.planning.preflight import check_fits
 
     if job.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {job.max_new_tokens}")
     job.cache.check_budget()
     arch, ranks = open_config(job.model, verify=job.verify)
-    if job.cache.kind is CacheKind.LATENT:
-        if not ranks.modules:
-            raise ValueError(
-                f"--kv-cache latent needs a decomposed model; {job.model} is dense "
-                "(decompose it with `deinfer-megatron decompose`, or use --kv-cache full)"
-            )
-        if not job.parallel.layout.supports_latent_cache:
-            raise ValueError(f"--kv-cache latent needs --layout {latent_cache_layouts()} (whole latents on every rank)")
+    if job.cache.kind is CacheKind.LATENT and not ranks.modules:
+        raise ValueError(
+            f"--kv-cache latent needs a decomposed model; {job.model} is dense "
+            "(decompose it with `deinfer-megatron decompose`, or use --kv-cache full)"
+        )
     needed = max(map(len, prompt_ids)) + job.max_new_tokens
     slot_length(needed, max_positions=arch.max_positions, bytes_per_token=0, slots=len(prompt_ids), budget_gb=None)
-    # Sizes before weights: a wrong config.json is refused before anything is read or allocated.
+    if not needs_agreement(job.parallel.layout):  # a launched job's auto: checked in the ranks, once agreed
+        check_layout(job, prompt_ids, arch, ranks)
+    open_model(job.model, verify=job.verify)  # manifest, shapes
+
+
+def check_layout(job: GenerateJob, prompt_ids: list[list[int]], arch: Any, ranks: Any) -> None:
+    """What depends on the (resolved) layout: the latent cache's support and whether the weights
+    and KV cache fit. Sizes before weights: a wrong config.json is refused before anything is read
+    or allocated."""
+    from deinfer_megatron.planning.preflight import check_fits
+
     par = job.parallel
+    if job.cache.kind is CacheKind.LATENT and not par.layout.supports_latent_cache:
+        raise ValueError(f"--kv-cache latent needs --layout {latent_cache_layouts()} (whole latents on every rank)")
+    needed = max(map(len, prompt_ids)) + job.max_new_tokens
     check_fits(arch, ranks, par.layout, tp=par.tp, pp=par.pp, dtype_bytes=job.dtype.itemsize,
                kv_tokens=len(prompt_ids) * needed, kv_cache=job.cache.kind)
-    open_model(job.model, verify=job.verify)  # manifest, shapes
 
 
 def kv_bytes_per_token(stage: Any, kind: CacheKind) -> int:
@@ -173,8 +182,18 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
 
     par, cache = job.parallel, job.cache
     tokenizer = _tokenizer(job.model)
+    agree = needs_agreement(par.layout)  # launched with auto: rank 0's plan, for every rank
+    measured = None  # the TP group's collective rates that plan was priced with
+    mine = plan_on_rank0(lambda: auto_plan_for(job, prompt_ids)) if agree else None
     groups = init_parallel(par.tp, par.pp, collectives=par.collectives)
     try:
+        if agree:
+            from deinfer_megatron.checkpoints.folder import open_config
+
+            plan, measured = plan_in_job(lambda link: auto_plan_for(job, prompt_ids, collectives=link), mine, groups)
+            job = replace(job, parallel=replace(par, layout=plan))
+            par = job.parallel
+            check_layout(job, prompt_ids, *open_config(job.model, verify=False))
         stage = load_folder(job.model, par.layout, groups, dtype=job.dtype.torch, verify=False)  # prepare() verified
         if stage.layout.value == AUTO:  # logged by the ranks: a command that fails earlier prints one line
             log.info("--layout auto: %s", describe_plan(stage.layout))
@@ -221,6 +240,7 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
         "engine": job.engine.value,
         "layout": par.layout.value, **_block_layouts(par.layout), "kv_cache": cache.kind.value, "tp": par.tp, "pp": par.pp,
         "collectives": groups.transport.kind,  # what carried rank 0's TP collectives
+        **({"auto_collectives": measured} if measured else {}),  # [latency s, bytes/s] per kind
     }
 
 
@@ -243,11 +263,11 @@ def _texts(job: GenerateJob, tokenizer: Any, outputs: list[Any]) -> list[dict[st
     return results
 
 
-def resolve_layout(job: GenerateJob, prompt_ids: list[list[int]]) -> GenerateJob:
-    """``job`` with ``--layout auto`` replaced by the cost model's plan for its batch (the
-    prompts) and context (the longest prompt plus the new tokens); other layouts unchanged."""
-    if job.parallel.layout != AUTO:
-        return job
+def auto_plan_for(job: GenerateJob, prompt_ids: list[list[int]],
+                  collectives: dict[str, list[float]] | None = None) -> Any:
+    """The cost model's plan for ``job``'s batch (the prompts) and context (the longest prompt
+    plus the new tokens), from this host's cost table (its collectives replaced by
+    ``collectives`` where the job measured its own TP group)."""
     from deinfer_megatron.checkpoints.folder import open_config
     from deinfer_megatron.planning.auto import Workload, auto_plan
 
@@ -255,7 +275,18 @@ def resolve_layout(job: GenerateJob, prompt_ids: list[list[int]]) -> GenerateJob
     work = Workload(tp=job.parallel.tp, batch=len(prompt_ids),
                     context=max(map(len, prompt_ids)) + job.max_new_tokens, dtype=job.dtype.value,
                     latent_cache=job.cache.kind is CacheKind.LATENT)
-    return replace(job, parallel=replace(job.parallel, layout=auto_plan(arch, ranks, work).plan))
+    return auto_plan(arch, ranks, work, collectives=collectives).plan
+
+
+def resolve_layout(job: GenerateJob, prompt_ids: list[list[int]]) -> GenerateJob:
+    """``job`` with ``--layout auto`` replaced by the cost model's plan (``auto_plan_for``), once,
+    here — except in a rank a launcher started, where ``auto`` is kept and resolved inside the
+    ranks, rank 0's plan for all (``planning.agree``); other layouts unchanged."""
+    from deinfer_megatron.launch.env import detect
+
+    if job.parallel.layout != AUTO or detect() is not None:
+        return job
+    return replace(job, parallel=replace(job.parallel, layout=auto_plan_for(job, prompt_ids)))
 
 
 def describe_plan(plan: Any) -> str:

@@ -195,12 +195,18 @@ def choose_layouts(arch: ModelArch, rank_config: RankConfig, work: Workload, tab
 
 
 def auto_plan(arch: ModelArch, rank_config: RankConfig, work: Workload,
-              table: CostTable | None = None) -> AutoChoice:
-    """``choose_layouts`` with this host's cached (or freshly measured) table when none is given."""
+              table: CostTable | None = None, collectives: dict[str, list[float]] | None = None) -> AutoChoice:
+    """``choose_layouts`` with this host's cached (or freshly measured) table when none is given;
+    ``collectives`` (rates measured in the job's own TP group, ``planning.agree``) replace the
+    table's for this choice only — never cached under the host's key."""
+    from dataclasses import replace
+
     if table is None:
         try:
             table = table_for(arch, rank_config, work)
         except RuntimeError as err:  # nothing to measure the collectives with on this machine
             log.warning("--layout auto: %s; using the %s layout for every block", err, FALLBACK.value)
             return AutoChoice(LayoutPlan.uniform(FALLBACK, arch.num_layers), [])
+    if collectives:
+        table = replace(table, collectives=collectives)
     return choose_layouts(arch, rank_config, work, table)

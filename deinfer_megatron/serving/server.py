@@ -68,7 +68,7 @@ class ServeJob:
 def validate(job: ServeJob) -> None:
     """What can be checked before any rank starts (the weights' manifest included)."""
     from deinfer_megatron.checkpoints.folder import open_config, open_model
-    from deinfer_megatron.specs.layout import Layout
+    from deinfer_megatron.specs.layout import AUTO, Layout
 
     for name, value, least in (("--max-batch", job.max_batch, 1), ("--max-queue", job.max_queue, 0),
                                ("--prefill-chunk", job.prefill_chunk, 1)):
@@ -80,6 +80,8 @@ def validate(job: ServeJob) -> None:
     missing = [name for name in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(name) is None]
     if missing:
         raise RuntimeError(f"serve needs {', '.join(missing)}: pip install 'deinfer-megatron[serve]'")
+    if job.parallel.layout == AUTO:  # one plan would have to hold for every batch the scheduler forms
+        raise ValueError("serve takes a fixed --layout (deinfer or naive), not auto")
     arch, ranks = open_config(job.model, verify=job.verify)
     if job.parallel.layout is Layout.DENSE or not ranks.modules:
         raise ValueError("serve needs a decomposed model in the deinfer or naive layout (each request keeps "

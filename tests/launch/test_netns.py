@@ -104,3 +104,64 @@ def test_tp2_across_two_namespaces_gives_the_hugging_face_tokens(tmp_path) -> No
     assert doc["tp"] == 2 and doc["collectives"] == "process-group"  # no local peer to share memory with
     assert doc["outputs"][0]["token_ids"] == expected
     print(f"cross-namespace TP=2 generate: {time.monotonic() - started:.1f} s")
+
+
+def test_auto_across_namespaces_prices_the_jobs_own_link(tmp_path) -> None:
+    """``--layout auto`` with one rank per namespace at 1 Gbit/s: the planted table says the local
+    collectives are free (so naive MLPs, the fewest bytes per rank, would win), but rank 0 prices
+    the plan with the TP group's collectives measured in the job, over the link — the plan the
+    formula gives with those rates, without naive MLPs, and the Hugging Face tokens."""
+    from dataclasses import replace
+
+    import torch
+    import transformers
+
+    from deinfer_megatron.checkpoints.folder import open_config
+    from deinfer_megatron.planning import cost_model
+    from deinfer_megatron.planning.auto import Workload, choose_layouts, required_gemms
+    from tests.helpers.cost_tables import FREE, _gemm
+    from tests.helpers.tiny_models import full_rank_folders
+
+    hf, _, model = full_rank_folders(tmp_path)
+    tok = transformers.AutoTokenizer.from_pretrained(model)
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = hf.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, ids.shape[1]:].tolist()
+    arch, ranks = open_config(model, verify=False)
+    blocks = {l: {b: (1.0 if l == "dense" else 0.0) for b in ("attention", "mlp")} for l in ("deinfer", "naive", "dense")}
+    work = Workload(tp=2, batch=1, context=ids.shape[1] + 6)
+    shapes = {cost_model.shape_key("float32", g): [[float(m), 1e-10 * m * g.weights]]  # weights at a fixed rate
+              for g, m in required_gemms(arch, ranks, work)}
+    table = cost_model.CostTable(cost_model.TableKey.current(1), _gemm(FREE), FREE,
+                                 {"all_reduce": [0.0, FREE], "all_gather": [0.0, FREE]},
+                                 {"2": {"blocks": blocks, "layer": 0.0, "outside": 0.0}}, shapes)  # dense out of the race
+    cost_model.save(table, cost_model.cache_path(table.key, tmp_path / "cache0" / "cost_model"))
+    local = choose_layouts(arch, ranks, work, table).plan
+    assert {b.mlp.value for b in local.layers} == {"naive"}, "free local collectives must favour naive MLPs"
+    with netns.two_nodes("1gbit") as nodes:
+        procs = []
+        for node in (0, 1):
+            env = dict(os.environ, RANK=str(node), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR=nodes.addr[0],
+                       MASTER_PORT=str(PORT + 1), GLOO_SOCKET_IFNAME=nodes.dev[node], OMP_NUM_THREADS="1",
+                       DEINFER_MEGATRON_CACHE=str(tmp_path / f"cache{node}"))
+            procs.append(nodes.popen(node, [sys.executable, "-m", "deinfer_megatron.cli.main", "generate",
+                                            "--model", str(model), "--tp", "2", "--layout", "auto",
+                                            "--max-new-tokens", "6", "--prompt", PROMPT, "--json"],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    doc = json.loads(outs[0][0])
+    link = doc["auto_collectives"]
+    assert link["all_reduce"][1] < 1e9, f"1 Gbit/s cannot carry more than 125 MB/s: {link}"
+    priced = choose_layouts(arch, ranks, work, replace(table, collectives=link))
+    assert doc["block_layouts"] == priced.plan.to_json()
+    for i, layer in enumerate(priced.seconds):  # where the measured link makes DeInfer cheaper, no naive MLP
+        if layer["mlp"]["deinfer"] < layer["mlp"]["naive"]:
+            assert doc["block_layouts"][i]["mlp"] != "naive", (i, layer["mlp"])
+    # the link is priced (a naive MLP costs at least one measured all-reduce latency), not the free local table
+    assert all(layer["mlp"]["naive"] >= link["all_reduce"][0] for layer in priced.seconds)
+    assert doc["outputs"][0]["token_ids"] == expected
+    assert not (tmp_path / "cache1").exists(), "rank 1 prices no plan of its own"
+    print(f"auto across namespaces at 1 Gbit/s: measured {link}; plan {doc['block_layouts']}")
