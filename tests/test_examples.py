@@ -25,11 +25,30 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO_ROOT / "examples" / "megatron_api.py"
 
 
+def example_env() -> dict[str, str]:
+    """The environment an example runs in: this checkout importable, one thread per process."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+            "OMP_NUM_THREADS": "1"}
+
+
+def multiplied_out_llama(synthetic: str, state: Mapping[str, torch.Tensor]) -> transformers.PreTrainedModel:
+    """transformers' own LLaMA of the synthetic config ``synthetic``, loaded with ``state``'s
+    factors multiplied out (the independent reference)."""
+    from deinfer_megatron.models.synthetic import synthetic_config
+
+    cfg = synthetic_config(synthetic)
+    cfg.pop("model_type")
+    config = transformers.LlamaConfig(**cfg)
+    config._attn_implementation = "eager"
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.load_state_dict(multiplied_out(state), strict=True)
+    return hf
+
+
 def run_example(tmp_path: Path, *args: str) -> dict[str, torch.Tensor]:
     """Run the example in a fresh interpreter (it owns its process group) and read its logits."""
     out = tmp_path / "logits.pt"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
+    env = example_env()
     proc = subprocess.run([sys.executable, str(EXAMPLE), *args, "--save-logits", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert proc.returncode == 0, f"the example failed:\n{proc.stdout}\n{proc.stderr}"
@@ -62,18 +81,11 @@ def test_random_factors_match_multiplied_out_llama(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("megatron_api", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)  # defines functions only; main() is not called
-    from deinfer_megatron.models.synthetic import synthetic_config
-
     got = run_example(tmp_path)
     arch, rank_config, state = example.synthetic_source()  # the same seed: the same tensors
     assert [layer.decomposed for layer in rank_config.layers] == [True, True, True, False]
 
-    cfg = synthetic_config(example.SYNTHETIC)
-    cfg.pop("model_type")
-    config = transformers.LlamaConfig(**cfg)
-    config._attn_implementation = "eager"
-    hf = transformers.LlamaForCausalLM(config).eval()
-    hf.load_state_dict(multiplied_out(state), strict=True)
+    hf = multiplied_out_llama(example.SYNTHETIC, state)
     assert_matches(got, hf)
 
 
@@ -109,8 +121,7 @@ TRAIN_EXAMPLE = REPO_ROOT / "examples" / "train_megatron.py"
 
 def run_train_example(tmp_path: Path, *args: str) -> tuple[list[float], str]:
     out = tmp_path / f"losses{len(list(tmp_path.iterdir()))}.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
+    env = example_env()
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run([sys.executable, str(TRAIN_EXAMPLE), *args, "--json", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
@@ -146,11 +157,8 @@ def test_load_at_other_tp_generates_the_multiplied_out_tokens(tmp_path: Path) ->
     spec = importlib.util.spec_from_file_location("load_at_other_tp", example_file)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)  # defines functions only
-    from deinfer_megatron.models.synthetic import synthetic_config
-
     out = tmp_path / "logits.pt"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
+    env = example_env()
     proc = subprocess.run([sys.executable, str(example_file), "--save-tp", "2", "--load-tp", "1", "--layout", "naive",
                            "--save-logits", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert proc.returncode == 0, f"the example failed:\n{proc.stdout}\n{proc.stderr}"
@@ -158,12 +166,7 @@ def test_load_at_other_tp_generates_the_multiplied_out_tokens(tmp_path: Path) ->
     got = torch.load(out)
 
     _, _, state = example.synthetic_model()
-    cfg = synthetic_config(example.SYNTHETIC)
-    cfg.pop("model_type")
-    config = transformers.LlamaConfig(**cfg)
-    config._attn_implementation = "eager"
-    hf = transformers.LlamaForCausalLM(config).eval()
-    hf.load_state_dict(multiplied_out(state), strict=True)
+    hf = multiplied_out_llama(example.SYNTHETIC, state)
     assert_matches(got, hf)
     with torch.no_grad():
         want = hf.generate(got["input_ids"], max_new_tokens=got["tokens"].shape[1], do_sample=False,
@@ -175,8 +178,7 @@ HEAL_THEN_SERVE = REPO_ROOT / "examples" / "heal_then_serve.sh"
 
 
 def _run_heal_then_serve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**example_env(), "PYTHON": sys.executable}
     return subprocess.run(["bash", str(HEAL_THEN_SERVE), *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 

@@ -74,7 +74,8 @@ def test_the_veth_pair_is_rate_limited_and_removed_afterwards() -> None:
     assert 0.3 < limited < 1.1, f"1 Gbit/s limit measured {limited:.2f} Gbit/s"
 
 
-def test_tp2_across_two_namespaces_gives_the_hugging_face_tokens(tmp_path) -> None:
+def _model_and_hf_tokens(tmp_path):
+    """The tiny full-rank decomposed folder, ``PROMPT``'s ids, and Hugging Face's 6 greedy tokens."""
     import torch
     import transformers
 
@@ -86,6 +87,11 @@ def test_tp2_across_two_namespaces_gives_the_hugging_face_tokens(tmp_path) -> No
     with torch.no_grad():
         expected = hf.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None,
                                pad_token_id=0)[0, ids.shape[1]:].tolist()
+    return model, ids, expected
+
+
+def test_tp2_across_two_namespaces_gives_the_hugging_face_tokens(tmp_path) -> None:
+    model, ids, expected = _model_and_hf_tokens(tmp_path)
     with netns.two_nodes("1gbit") as nodes:
         procs = []
         for node in (0, 1):  # what a launcher sets on each node: rank 0 on node a is the master
@@ -113,21 +119,12 @@ def test_auto_across_namespaces_prices_the_jobs_own_link(tmp_path) -> None:
     formula gives with those rates, without naive MLPs, and the Hugging Face tokens."""
     from dataclasses import replace
 
-    import torch
-    import transformers
-
     from deinfer_megatron.checkpoints.folder import open_config
     from deinfer_megatron.planning import cost_model
     from deinfer_megatron.planning.auto import Workload, choose_layouts, required_gemms
     from tests.helpers.cost_tables import FREE, _gemm
-    from tests.helpers.tiny_models import full_rank_folders
 
-    hf, _, model = full_rank_folders(tmp_path)
-    tok = transformers.AutoTokenizer.from_pretrained(model)
-    ids = tok(PROMPT, return_tensors="pt").input_ids
-    with torch.no_grad():
-        expected = hf.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, ids.shape[1]:].tolist()
+    model, ids, expected = _model_and_hf_tokens(tmp_path)
     arch, ranks = open_config(model, verify=False)
     blocks = {l: {b: (1.0 if l == "dense" else 0.0) for b in ("attention", "mlp")} for l in ("deinfer", "naive", "dense")}
     work = Workload(tp=2, batch=1, context=ids.shape[1] + 6)
