@@ -213,12 +213,9 @@ def _held_out(job: HealJob, max_positions: int) -> HeldOut | None:
 
 
 def _rank_settings(job: HealJob, folder: Path) -> RankSettings:
-    s = job.loop_settings()
     return RankSettings(model=job.model, teacher=job.teacher, state_folder=folder, tp=job.tp, pp=job.pp,
-                        layout=job.layout, train=job.train, lr=job.lr, warmup=job.warmup, batch=job.batch,
-                        seq_len=job.seq_len, steps=s.steps, seconds=s.seconds, ce_weight=job.ce_weight,
-                        seed=job.seed, save_every=job.save_every, bf16=s.bf16, eval_every=job.eval_every,
-                        json_log=job.json_log, resume=job.resume, clip=s.clip)
+                        layout=job.layout, train=job.train, loop=job.loop_settings(),
+                        json_log=job.json_log, resume=job.resume)
 
 
 def _parallel_heal(job: HealJob, folder: Path, dec: Any) -> tuple[dict[str, torch.Tensor], list, Any, list] | None:

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from deinfer_megatron.files import failpoints
 from deinfer_megatron.healing.data import HealData
+from deinfer_megatron.healing.loop import MIN_LR_FRACTION, LoopSettings
 from deinfer_megatron.healing.loss import distill_loss
 from deinfer_megatron.healing.watch import HeldOut
 
@@ -38,12 +39,13 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint"  # the last complete checkpoint, inside the state folder
 FINAL = "final"  # the healed student as a dist checkpoint, read by the main process
-MIN_LR_FRACTION = 0.1  # the cosine ends at a tenth of the peak learning rate
 
 
 @dataclass(frozen=True)
 class RankSettings:
-    """What every rank needs to run the loop (picklable: it crosses to spawned ranks)."""
+    """What every rank needs to run the loop (picklable: it crosses to spawned ranks): the
+    folders and parallel layout, and the same ``LoopSettings`` the one-process loop takes
+    (its ``distill`` and ``weight_decay`` are not used here: the ranks distil logits only)."""
 
     model: Path
     teacher: Path
@@ -52,20 +54,9 @@ class RankSettings:
     pp: int
     layout: str
     train: str
-    lr: float
-    warmup: int
-    batch: int
-    seq_len: int
-    steps: int | None  # token budget, in steps
-    seconds: float | None  # time budget
-    ce_weight: float
-    seed: int
-    save_every: int
-    bf16: bool
-    eval_every: int
+    loop: LoopSettings
     json_log: Path | None
     resume: bool
-    clip: float = 1.0
 
 
 def checkpoint_dir(state_folder: Path) -> Path | None:
@@ -115,10 +106,10 @@ def _save(s: RankSettings, student: Any, trainer: Any, groups: Any, rank: int, m
 
 
 def _bar(s: RankSettings, step: int, elapsed: float, quiet: bool) -> tqdm:
-    if s.steps is not None:
-        return tqdm(total=s.steps, initial=step, desc="healing", unit="step", file=sys.stderr,
+    if s.loop.steps is not None:
+        return tqdm(total=s.loop.steps, initial=step, desc="healing", unit="step", file=sys.stderr,
                     dynamic_ncols=True, disable=quiet)
-    return tqdm(total=round(s.seconds or 0), initial=round(elapsed), desc="healing", unit="s", file=sys.stderr,
+    return tqdm(total=round(s.loop.seconds or 0), initial=round(elapsed), desc="healing", unit="s", file=sys.stderr,
                 dynamic_ncols=True, disable=quiet,
                 bar_format="{l_bar}{bar}| {n:.0f}/{total} s [{remaining} left{postfix}]")
 
@@ -142,6 +133,7 @@ def heal_on_ranks(s: RankSettings, data_fn: Callable[[int], HealData], held_out:
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
     from deinfer_megatron.training import OptimizerConfig, Trainer
 
+    loop = s.loop
     groups = init_parallel(s.tp, s.pp)
     try:
         rank = groups.global_rank
@@ -152,18 +144,18 @@ def heal_on_ranks(s: RankSettings, data_fn: Callable[[int], HealData], held_out:
         teacher = load_folder(s.teacher, "dense", groups, verify=False)
         # A time budget's cosine runs over the steps the first step says fit (fixed then, and
         # kept in the checkpoint, so a resume follows the same schedule).
-        total = s.steps if s.steps is not None else max(s.warmup + 1, 10**9)
-        config = OptimizerConfig(lr=s.lr, total_steps=total, warmup_steps=min(s.warmup, total - 1),
-                                 min_lr=MIN_LR_FRACTION * s.lr, betas=(0.9, 0.95), clip_grad=s.clip)
+        total = loop.steps if loop.steps is not None else max(loop.warmup + 1, 10**9)
+        config = OptimizerConfig(lr=loop.lr, total_steps=total, warmup_steps=min(loop.warmup, total - 1),
+                                 min_lr=MIN_LR_FRACTION * loop.lr, betas=(0.9, 0.95), clip_grad=loop.clip)
         trainer = Trainer(student, config, train=s.train)
-        step, records, elapsed, planned = 0, [], 0.0, s.steps
+        step, records, elapsed, planned = 0, [], 0.0, loop.steps
         ckpt = checkpoint_dir(s.state_folder) if s.resume else None
         if ckpt is not None:
             meta = torch.load(ckpt / "meta.pt", weights_only=True)
             load_model_state(student, ckpt / "model", student.rank_config)
             trainer.load_state_dict(torch.load(ckpt / f"rank{rank}.pt", weights_only=True))
             step, records, elapsed, planned = meta["step"], list(meta["records"]), meta["elapsed"], meta["planned"]
-        if planned is not None and s.steps is None:
+        if planned is not None and loop.steps is None:
             trainer.scheduler.lr_decay_steps = planned
         log_file = None
         if rank == 0 and s.json_log is not None:
@@ -177,20 +169,20 @@ def heal_on_ranks(s: RankSettings, data_fn: Callable[[int], HealData], held_out:
                 records.append({"step": 0, "tokens": 0, "elapsed_s": 0.0,
                                 "eval": held_out.perplexity_of(_perplexity_fn(student))})
                 _write(log_file, records[-1])
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.bf16)
-        tokens_per_step = s.batch * s.seq_len
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=loop.bf16)
+        tokens_per_step = loop.batch * loop.seq_len
         bar = _bar(s, step, elapsed, quiet=rank != 0)
         parts: dict[str, float] = {}
 
         def loss_fn(logits: torch.Tensor, micro: dict[str, torch.Tensor]) -> torch.Tensor:
-            loss, got = distill_loss(logits, micro["teacher"], micro["input_ids"], s.ce_weight)
+            loss, got = distill_loss(logits, micro["teacher"], micro["input_ids"], loop.ce_weight)
             parts.update(got)
             return loss
 
         try:
-            while (s.steps is None or step < s.steps) and (s.seconds is None or elapsed < s.seconds):
+            while (loop.steps is None or step < loop.steps) and (loop.seconds is None or elapsed < loop.seconds):
                 t0 = time.perf_counter()
-                ids = data.batch(step, s.batch, s.seed)
+                ids = data.batch(step, loop.batch, loop.seed)
                 pos = torch.arange(ids.shape[1]).expand_as(ids)
                 with autocast:
                     target = stage_forward(teacher, ids, pos)
@@ -209,20 +201,20 @@ def heal_on_ranks(s: RankSettings, data_fn: Callable[[int], HealData], held_out:
                 elapsed += dt
                 step += 1
                 if planned is None:  # time budget: the schedule is fixed by the first step
-                    planned = max(s.warmup + 1, math.ceil((s.seconds or 0) / dt))
+                    planned = max(loop.warmup + 1, math.ceil((loop.seconds or 0) / dt))
                     trainer.scheduler.lr_decay_steps = planned
                 record = {"step": step, "kind": "logits", "tokens": step * tokens_per_step, "loss": result.loss,
-                          "kl": float(kl[0]), **({"ce": float(kl[1])} if s.ce_weight else {}),
+                          "kl": float(kl[0]), **({"ce": float(kl[1])} if loop.ce_weight else {}),
                           "lr": result.lr, "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_step / dt,
                           "teacher_s": round(t_teacher, 4), "elapsed_s": round(elapsed, 3)}
-                last = (s.steps is not None and step >= s.steps) or (s.seconds is not None and elapsed >= s.seconds)
-                if held_out is not None and ((s.eval_every and step % s.eval_every == 0) or last):
+                last = (loop.steps is not None and step >= loop.steps) or (loop.seconds is not None and elapsed >= loop.seconds)
+                if held_out is not None and ((loop.eval_every and step % loop.eval_every == 0) or last):
                     record["eval"] = held_out.perplexity_of(_perplexity_fn(student))
                 records.append(record)
                 _write(log_file, record)
                 bar.set_postfix(kl=f"{record['kl']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-                bar.update(1 if s.steps is not None else round(elapsed) - bar.n)
-                if s.save_every and step % s.save_every == 0:
+                bar.update(1 if loop.steps is not None else round(elapsed) - bar.n)
+                if loop.save_every and step % loop.save_every == 0:
                     _save(s, student, trainer, groups, rank,
                           {"step": step, "records": records, "elapsed": elapsed, "planned": planned})
         finally:
