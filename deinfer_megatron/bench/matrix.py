@@ -49,6 +49,10 @@ class BenchGrid:
     predict: bool = False  # the cost model's step beside every cell's (always for auto cells)
     cell_timeout_s: float = 1800.0
     peers: tuple[Peer, ...] = ()  # other implementations beside the cells (``bench.peers``)
+    # collective rates ({kind: [latency s, bytes/s]}, ``CostTable.collectives``) measured on the
+    # link the cells' ranks use, priced by ``auto`` and ``--predict`` in place of the host table's
+    # local ones: set by a runner whose ranks do not share memory (the two-namespace bench)
+    collectives: dict[str, list[float]] | None = None
 
 
 @dataclass(frozen=True)
@@ -140,23 +144,26 @@ def random_prompts(vocab: int, batch: int, prompt_len: int, seed: int) -> tuple[
     return tuple(tuple(row) for row in ids.tolist())
 
 
-def cell_layout(cell: Cell, source: ModelSource, gen_len: int = 32) -> Layout | LayoutPlan:
+def cell_layout(cell: Cell, source: ModelSource, gen_len: int = 32,
+                collectives: dict[str, list[float]] | None = None) -> Layout | LayoutPlan:
     """The layout the cell's ranks build: its fixed layout, or for ``auto`` the cost model's
-    plan for the cell's TP, batch, context (prompt + new tokens) and KV cache on this host."""
+    plan for the cell's TP, batch, context (prompt + new tokens) and KV cache on this host
+    (with ``collectives`` in place of the host table's rates: ``BenchGrid.collectives``)."""
     if cell.layout != AUTO:
         return cell.layout
     from deinfer_megatron.planning.auto import Workload, auto_plan
 
     work = Workload(tp=cell.tp, batch=cell.batch, context=cell.prompt_len + gen_len,
                     latent_cache=cell.kv_cache is CacheKind.LATENT)
-    return auto_plan(source.arch, source.rank_config, work).plan
+    return auto_plan(source.arch, source.rank_config, work, collectives=collectives).plan
 
 
-def plan_totals(cell: Cell, source: ModelSource, gen_len: int = 32) -> PlanTotals:
+def plan_totals(cell: Cell, source: ModelSource, gen_len: int = 32,
+                collectives: dict[str, list[float]] | None = None) -> PlanTotals:
     """The planner's per-token totals for this cell (ValueError when the layout cannot run)."""
     from deinfer_megatron.planning.plan import make_plan
 
-    plan = make_plan(source.arch, source.rank_config, cell_layout(cell, source, gen_len), tp=cell.tp,
+    plan = make_plan(source.arch, source.rank_config, cell_layout(cell, source, gen_len, collectives), tp=cell.tp,
                      batch=cell.batch)
     t = plan.totals
     return PlanTotals(t["collectives_per_token"], t["elements_per_token"], t["params_per_rank"],
@@ -174,7 +181,7 @@ def run_cell(cell: Cell, source: ModelSource, grid: BenchGrid) -> list[RankMeasu
     from deinfer_megatron.bench.measure import CellJob, cell_worker
     from deinfer_megatron.launch.local import spawn_local
 
-    layout = cell_layout(cell, source, grid.gen_len)
+    layout = cell_layout(cell, source, grid.gen_len, grid.collectives)
     job = CellJob(source.folder_for(layout), layout, cell.kv_cache, cell.tp, cell.batch,
                   cell.prompt_len, grid.gen_len, grid.repeats,
                   random_prompts(source.arch.vocab_size, cell.batch, cell.prompt_len, grid.seed),
@@ -200,7 +207,7 @@ def run_matrix(grid: BenchGrid, source: ModelSource, runner: Runner = run_cell, 
         if reason is not None:
             records.append(CellRecord(**head, status=CellStatus.SKIPPED, reason=reason))
             continue
-        plan = plan_totals(cell, source, grid.gen_len)
+        plan = plan_totals(cell, source, grid.gen_len, grid.collectives)
         start = time.perf_counter()
         try:
             ranks = runner(cell, source, grid)

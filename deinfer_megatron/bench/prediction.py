@@ -50,15 +50,20 @@ def predicted_parts(arch: Any, rank_config: Any, work: Any, table: Any, plan: An
     return {"weights_kv_s": compute, "collectives_s": without_fixed - compute, "fixed_s": whole - without_fixed}
 
 
-def predict(rec: CellRecord, source: Any, table: Any = None) -> Prediction | None:
-    """The prediction for a measured, summarised cell; None where its layout cannot be priced."""
+def predict(rec: CellRecord, source: Any, table: Any = None,
+            collectives: dict[str, list[float]] | None = None) -> Prediction | None:
+    """The prediction for a measured, summarised cell; None where its layout cannot be priced.
+    ``collectives``: the rates of the link the cell ran over, in place of the table's
+    (``BenchGrid.collectives``)."""
+    from dataclasses import replace
+
     from deinfer_megatron.planning.auto import Workload, auto_plan, table_for
 
     assert rec.summary is not None, "predict a summarised cell"
     cell = rec.cell
     work = Workload(tp=cell.tp, batch=cell.batch, context=cell.prompt_len + rec.gen_len,
                     latent_cache=cell.kv_cache is CacheKind.LATENT)
-    choice = auto_plan(source.arch, source.rank_config, work, table)
+    choice = auto_plan(source.arch, source.rank_config, work, table, collectives)
     if not choice.seconds:  # the fallback of a machine without a cost table
         return None
     if cell.layout == AUTO:
@@ -68,7 +73,10 @@ def predict(rec: CellRecord, source: Any, table: Any = None) -> Prediction | Non
         if choice.fixed_step_seconds(layout) is None:
             return None
         plan, chosen = LayoutPlan.uniform(layout, source.arch.num_layers), layout.value
-    parts = predicted_parts(source.arch, source.rank_config, work, table or table_for(source.arch, source.rank_config, work), plan)
+    table = table or table_for(source.arch, source.rank_config, work)
+    if collectives:
+        table = replace(table, collectives=collectives)
+    parts = predicted_parts(source.arch, source.rank_config, work, table, plan)
     predicted, measured = sum(parts.values()), rec.summary.tpot_s
     return Prediction(predicted, measured, predicted / measured, chosen, parts)
 

@@ -144,7 +144,7 @@ def _source(grid: BenchGrid, workdir: Path) -> Any:
     return synthetic_source(grid.synthetic, grid.ratio, grid.seed, workdir)
 
 
-def _profiled_and_predicted(grid: BenchGrid, source: Any, records: list[Any]) -> list[Any]:
+def profiled_and_predicted(grid: BenchGrid, source: Any, records: list[Any]) -> list[Any]:
     """Measured cells with their ``--profile`` breakdown and the cost model's predicted step."""
     from deinfer_megatron.bench import prediction, profile
     from deinfer_megatron.bench.records import CellStatus
@@ -154,7 +154,7 @@ def _profiled_and_predicted(grid: BenchGrid, source: Any, records: list[Any]) ->
         if r.status is CellStatus.OK:
             r = replace(r, step_profile=profile.cell_breakdown(r))
             if grid.predict or r.cell.layout == "auto":
-                r = replace(r, prediction=prediction.predict(r, source))
+                r = replace(r, prediction=prediction.predict(r, source, collectives=grid.collectives))
         out.append(r)
     return out
 
@@ -179,7 +179,7 @@ def main(cfg: BenchConfig) -> int:
         records = matrix.run_matrix(grid, source, progress=outputs.progress)
         peers = peer_runs.run_peers(grid, source, progress=outputs.progress)
     records = [report.summarize(r) if r.status is CellStatus.OK else r for r in records]
-    records = _profiled_and_predicted(grid, source, records)
+    records = profiled_and_predicted(grid, source, records)
     if machine is not None:
         records = [replace(r, roofline=roofline.step_bound(r, source.arch, machine)) if r.status is CellStatus.OK
                    else r for r in records]

@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import time
 from typing import Any, Callable
 
@@ -35,7 +36,7 @@ from deinfer_megatron.specs.layout import AUTO, LayoutPlan
 
 log = logging.getLogger(__name__)
 SIZES = (64, 1 << 17)  # float32 elements of the measured collectives: the latency end, the bandwidth end
-REPEATS = 10  # a fixed count, the same on every rank (a time budget would differ by rank and hang)
+REPEATS = 15  # a fixed count, the same on every rank (a time budget would differ by rank and hang)
 Message = dict[str, Any]  # {"plan": LayoutPlan.to_json(), "name": its name} or {"error": one line}
 
 
@@ -79,10 +80,15 @@ def agreed_plan(mine: Message | None, device: torch.device) -> LayoutPlan:
 def measure_tp_collectives(tp: Any, device: torch.device) -> dict[str, list[float]]:
     """``[latency s, bytes/s]`` per kind (``CostTable.collectives``) of this job's TP group
     ``tp`` (a ``TPView``), through its installed transport; the slowest group's times when the
-    job has several. Every rank of the job calls it (a second or less)."""
+    job has several. Every rank of the job calls it (a second or less).
+
+    Each size's time is the median of the repeats, not the best: across a network link the best
+    of a few is half the typical one (a TCP round trip that found both peers ready; a burst that
+    a rate limiter let through at line rate — 190 MB/s "measured" on a 1 Gbit/s link), while a
+    decode step pays the typical one, and a bench reports medians."""
     from deinfer_megatron.parallel import comm
 
-    best: list[float] = []
+    typical: list[float] = []
     for kind in ("all_reduce", "all_gather"):
         for n in SIZES:
             x = torch.zeros(n, device=device)
@@ -97,8 +103,8 @@ def measure_tp_collectives(tp: Any, device: torch.device) -> dict[str, list[floa
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - start)
-            best.append(min(times[1:]))
-    worst = comm.max_over_world(torch.tensor(best, dtype=torch.float64, device=device)).tolist()
+            typical.append(statistics.median(times[1:]))
+    worst = comm.max_over_world(torch.tensor(typical, dtype=torch.float64, device=device)).tolist()
     out = {}
     for i, kind in enumerate(("all_reduce", "all_gather")):
         small, large = worst[2 * i], worst[2 * i + 1]

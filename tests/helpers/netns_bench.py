@@ -41,58 +41,95 @@ os.replace(tmp, sys.argv[2])
 """
 
 
-def namespace_runner(nodes: netns.TwoNodes, scratch: Path, timeout_s: float = 1800) -> Any:
-    """A ``bench.matrix`` runner that starts rank r of a TP=2 cell in namespace r."""
-    from deinfer_megatron.bench.matrix import random_prompts
-    from deinfer_megatron.bench.measure import CellJob
+_LINK = """
+import json, os, sys
+from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+from deinfer_megatron.parallel.topology import TPView
+from deinfer_megatron.planning.agree import measure_tp_collectives
+groups = init_parallel(2, 1)
+try:
+    link = measure_tp_collectives(TPView(groups.tp_rank, 2, groups.pg_collection.tp), groups.device)
+finally:
+    shutdown()
+tmp = sys.argv[1] + ".tmp"
+open(tmp, "w").write(json.dumps(link))
+os.replace(tmp, sys.argv[1])
+"""
 
-    count = [0]
 
-    def run(cell: Any, source: Any, grid: Any) -> list[Any]:
-        if cell.tp != 2:
-            raise ValueError(f"across two namespaces a cell needs --tp 2 (one rank per node), got {cell.tp}")
-        count[0] += 1
-        job = CellJob(source.folder_for(cell.layout), cell.layout, cell.kv_cache, cell.tp, cell.batch,
-                      cell.prompt_len, grid.gen_len, grid.repeats,
-                      random_prompts(source.arch.vocab_size, cell.batch, cell.prompt_len, grid.seed))
-        job_file = scratch / f"cell{count[0]}.job"
-        job_file.write_bytes(pickle.dumps(job))
+class Pair:
+    """Starts one process per namespace (rank r in namespace r, pinned to its own core) with the
+    launcher's variables, and collects what each wrote to its result file."""
+
+    def __init__(self, nodes: netns.TwoNodes, scratch: Path, timeout_s: float = 1800) -> None:
+        self.nodes, self.scratch, self.timeout_s, self.count = nodes, scratch, timeout_s, 0
+
+    def run(self, script: str, *args: str) -> list[Path]:
+        """Both ranks of ``python -c script *args <result file>``; the result files, by rank."""
+        self.count += 1
         cpus = sorted(os.sched_getaffinity(0))
         procs, results = [], []
         for rank in (0, 1):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR=nodes.addr[0],
-                       MASTER_PORT=str(29400 + count[0]), GLOO_SOCKET_IFNAME=nodes.dev[rank], OMP_NUM_THREADS="1")
-            results.append(scratch / f"cell{count[0]}.rank{rank}")
-            argv = [sys.executable, "-c", _RANK, str(job_file), str(results[-1])]
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR=self.nodes.addr[0],
+                       MASTER_PORT=str(29400 + self.count), GLOO_SOCKET_IFNAME=self.nodes.dev[rank],
+                       OMP_NUM_THREADS="1")
+            results.append(self.scratch / f"run{self.count}.rank{rank}")
+            argv = [sys.executable, "-c", script, *args, str(results[-1])]
             if len(cpus) >= 2:
                 argv = ["taskset", "-c", str(cpus[rank]), *argv]
-            procs.append(nodes.popen(rank, argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            procs.append(self.nodes.popen(rank, argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                          text=True))
         errors = []
         for rank, proc in enumerate(procs):
             try:
-                _, err = proc.communicate(timeout=timeout_s)
+                _, err = proc.communicate(timeout=self.timeout_s)
             except subprocess.TimeoutExpired:
                 for p in procs:
                     p.kill()
-                raise RuntimeError(f"the cell did not finish within {timeout_s:.0f} s") from None
+                raise RuntimeError(f"the ranks did not finish within {self.timeout_s:.0f} s") from None
             if proc.returncode != 0:
                 lines = [line for line in err.splitlines() if line.strip()]
                 errors.append(f"rank {rank} exited {proc.returncode}: {lines[-1] if lines else ''}")
         if errors:
             raise RuntimeError("; ".join(errors))
-        return [pickle.loads(path.read_bytes()) for path in results]
+        return results
+
+
+def measure_link(pair: Pair) -> dict[str, list[float]]:
+    """The TP group's collectives across the link (``planning.agree.measure_tp_collectives``, what
+    a launched ``--layout auto`` job measures in its ranks): what ``auto`` and ``--predict`` price."""
+    return json.loads(pair.run(_LINK)[0].read_text())
+
+
+def namespace_runner(pair: Pair) -> Any:
+    """A ``bench.matrix`` runner that starts rank r of a TP=2 cell in namespace r; an ``auto`` cell
+    runs the plan priced with ``grid.collectives`` (the link's measured rates)."""
+    from deinfer_megatron.bench.matrix import cell_layout, random_prompts
+    from deinfer_megatron.bench.measure import CellJob
+
+    def run(cell: Any, source: Any, grid: Any) -> list[Any]:
+        if cell.tp != 2:
+            raise ValueError(f"across two namespaces a cell needs --tp 2 (one rank per node), got {cell.tp}")
+        layout = cell_layout(cell, source, grid.gen_len, grid.collectives)
+        job = CellJob(source.folder_for(layout), layout, cell.kv_cache, cell.tp, cell.batch,
+                      cell.prompt_len, grid.gen_len, grid.repeats,
+                      random_prompts(source.arch.vocab_size, cell.batch, cell.prompt_len, grid.seed))
+        job_file = pair.scratch / f"cell{pair.count + 1}.job"
+        job_file.write_bytes(pickle.dumps(job))
+        return [pickle.loads(path.read_bytes()) for path in pair.run(_RANK, str(job_file))]
 
     return run
 
 
 def local_runner(collectives: str) -> Any:
     """The bench's local runner (two spawned ranks on this machine) with a chosen transport."""
-    from deinfer_megatron.bench.matrix import random_prompts
+    from deinfer_megatron.bench.matrix import cell_layout, random_prompts
     from deinfer_megatron.bench.measure import CellJob, cell_worker
     from deinfer_megatron.launch.local import spawn_local
 
     def run(cell: Any, source: Any, grid: Any) -> list[Any]:
-        job = CellJob(source.folder_for(cell.layout), cell.layout, cell.kv_cache, cell.tp, cell.batch,
+        layout = cell_layout(cell, source, grid.gen_len)
+        job = CellJob(source.folder_for(layout), layout, cell.kv_cache, cell.tp, cell.batch,
                       cell.prompt_len, grid.gen_len, grid.repeats,
                       random_prompts(source.arch.vocab_size, cell.batch, cell.prompt_len, grid.seed),
                       collectives=collectives)
@@ -101,12 +138,22 @@ def local_runner(collectives: str) -> Any:
     return run
 
 
+def _tokens_per_s(records: list[Any]) -> dict[tuple[int, int], dict[str, float]]:
+    """Decode tokens/s per (batch, prompt length) and layout name of the measured cells."""
+    out: dict[tuple[int, int], dict[str, float]] = {}
+    for r in records:
+        if r.summary is not None:
+            out.setdefault((r.cell.batch, r.cell.prompt_len), {})[r.cell.layout_name] = r.summary.decode_tokens_per_s
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from deinfer_megatron.bench import matrix, report
     from deinfer_megatron.bench.records import CellStatus
     from deinfer_megatron.bench.sources import synthetic_source
     from deinfer_megatron.layers.kv_cache import CacheKind
-    from deinfer_megatron.specs.layout import Layout
+    from deinfer_megatron.cli.bench_cmd import profiled_and_predicted
+    from deinfer_megatron.specs.layout import AUTO, Layout
 
     p = argparse.ArgumentParser(prog="python -m tests.helpers.netns_bench", description=__doc__.split("\n")[0])
     p.add_argument("--synthetic", default="llama-tiny")
@@ -118,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", default="128")
     p.add_argument("--gen-len", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--predict", action="store_true",
+                   help="the cost model's step beside every cell, priced with the link's measured collectives")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
     reason = netns.unavailable() if a.rate != "local" else None
@@ -125,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {reason}", file=sys.stderr)
         return 2
     grid = matrix.BenchGrid(synthetic=a.synthetic, ratio=a.ratio,
-                            layouts=tuple(Layout.parse(x) for x in a.layouts.split(",")),
+                            layouts=tuple(x if x == AUTO else Layout.parse(x) for x in a.layouts.split(",")),
                             kv_caches=(CacheKind.FULL,), tps=(2,),
                             batches=tuple(int(x) for x in a.batch.split(",")),
                             prompt_lens=tuple(int(x) for x in a.prompt_len.split(",")),
@@ -137,8 +186,15 @@ def main(argv: list[str] | None = None) -> int:
             records = matrix.run_matrix(grid, source, runner=local_runner(a.collectives), progress=False)
         else:
             with netns.two_nodes(netns.RATES[a.rate]) as nodes:
-                records = matrix.run_matrix(grid, source, runner=namespace_runner(nodes, scratch), progress=False)
-    records = [report.summarize(r) if r.status is CellStatus.OK else r for r in records]
+                pair = Pair(nodes, scratch)
+                if AUTO in grid.layouts or a.predict:
+                    grid = replace(grid, collectives=measure_link(pair))
+                    print("the link's collectives: " + ", ".join(
+                        f"{k} {v[0] * 1e6:.0f} us + {v[1] / 1e9:.3f} GB/s" for k, v in grid.collectives.items()))
+                records = matrix.run_matrix(grid, source, runner=namespace_runner(pair), progress=False)
+        records = [report.summarize(r) if r.status is CellStatus.OK else r for r in records]
+        if AUTO in grid.layouts or a.predict:  # priced while the model is on disk (the plans read it)
+            records = profiled_and_predicted(replace(grid, predict=a.predict), source, records)
     records, comparisons = report.compare(records)
     print("TP=2 on this machine, collectives " + a.collectives if a.rate == "local"
           else f"TP=2 across two network namespaces, link {a.rate}")
@@ -146,11 +202,21 @@ def main(argv: list[str] | None = None) -> int:
     for c in comparisons:
         print(f"batch {c.batch} ctx {c.prompt_len}: deinfer {c.deinfer_tokens_per_s:.1f} tok/s, "
               f"vs naive {c.speedups.vs_naive or float('nan'):.2f}×")
+    for (batch, ctx), speeds in _tokens_per_s(records).items():
+        if AUTO in speeds and len(speeds) > 1:
+            best = max((v, k) for k, v in speeds.items() if k != AUTO)
+            print(f"batch {batch} ctx {ctx}: auto {speeds[AUTO]:.1f} tok/s, {speeds[AUTO] / best[0]:.2f}× the best "
+                  f"fixed layout ({best[1]})" + (f", {speeds[AUTO] / speeds['naive']:.2f}× naive" if "naive" in speeds else ""))
+    for r in records:
+        if r.prediction is not None:
+            p = r.prediction
+            print(f"{r.cell.label()}: predicted {p.predicted_s * 1e3:.1f} ms, measured {p.measured_s * 1e3:.1f} ms "
+                  f"({p.predicted_over_measured:.2f}); plan {p.chosen}")
     for r in records:
         if r.status is CellStatus.ERROR:
             print(f"failed: {r.cell.label()}: {r.error}", file=sys.stderr)
     if a.json is not None:
-        doc = {"rate": a.rate, "collectives": a.collectives, "cells": [r.to_json() for r in records],
+        doc = {"rate": a.rate, "collectives": a.collectives, "link_collectives": grid.collectives, "cells": [r.to_json() for r in records],
                "comparisons": [c.to_json() for c in comparisons], "load_avg": os.getloadavg()}
         report.write_atomic(a.json, json.dumps(doc, indent=1))
     return 1 if any(r.status is CellStatus.ERROR for r in records) else 0
