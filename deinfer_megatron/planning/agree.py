@@ -85,15 +85,20 @@ def measure_tp_collectives(tp: Any, device: torch.device) -> dict[str, list[floa
     Each size's time is the median of the repeats, not the best: across a network link the best
     of a few is half the typical one (a TCP round trip that found both peers ready; a burst that
     a rate limiter let through at line rate — 190 MB/s "measured" on a 1 Gbit/s link), while a
-    decode step pays the typical one, and a bench reports medians."""
+    decode step pays the typical one, and a bench reports medians. On CPU each call follows a
+    cache flush, as in the host table (``planning.calibrate``)."""
     from deinfer_megatron.parallel import comm
+    from deinfer_megatron.planning.calibrate import CacheFlush
 
+    flush = CacheFlush() if device.type == "cpu" else None  # as the host table times them: cold
     typical: list[float] = []
     for kind in ("all_reduce", "all_gather"):
         for n in SIZES:
             x = torch.zeros(n, device=device)
             times = []
             for _ in range(REPEATS + 1):  # the first is a warm-up
+                if flush is not None:
+                    flush()
                 comm.barrier(tp)
                 start = time.perf_counter()
                 if kind == "all_reduce":

@@ -2,9 +2,14 @@
 streaming copy for memory bandwidth, and all-reduce / all-gather between two forked processes
 over the shared-memory transport the job's local ranks use (``parallel.shm``).
 
-Each figure is the best of a few repetitions, because a shared machine only ever adds time: the
+Each rate is the best of a few repetitions, because a shared machine only ever adds time: the
 fastest run is the closest to what the hardware does. Latency and bandwidth of a collective are
-the line through its time at a small and a large message.
+the line through its time at a small and a large message — each time the median of calls made
+with cold caches (``CacheFlush`` before each): in a decode step every collective follows a block
+that streamed its weights through the caches, and a collective whose buffers and code were
+evicted costs 1.5-3.5 times one called in a tight loop (44 µs hot, 69 µs after 16 MiB, 156 µs
+after 64 MiB for 16k floats on the 2-core development machine; 100-140 µs inside a llama-1b-shape
+step).
 
 Matrix products are timed per shape as a plan needs them (``measure_shapes``): every call reads
 its weights from memory, as a decode step does (a model's weights on one rank outgrow the
@@ -16,6 +21,8 @@ filled once per call of ``measure_shapes``; each (shape, rows) then costs two pa
 from __future__ import annotations
 
 import multiprocessing
+import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -29,6 +36,29 @@ from deinfer_megatron.planning.cost_model import GEMM_DTYPES, CostTable, TableKe
 GEMM_TOKENS = (1, 8, 64, 256)
 GEMM_SIDES = (256, 1024, 2048)  # weights n × n
 SMALL, LARGE = 64, 1 << 18  # collective message sizes in float32 elements
+COLD_CALLS = 15  # timed collectives per message size, each after a cache flush
+
+
+FLUSH_BYTES = 32 << 20  # what a block streams before the collective or the Python that follows it
+
+
+class CacheFlush:
+    """Streams ``FLUSH_BYTES`` of weights through one matrix product, as a decode step's block does
+    between two collectives: what follows runs with the caches (and the code paths of the
+    framework) as cold as in a step of a model whose blocks outgrow a core's caches — the models
+    this project serves. 32 MiB is 16 times a core's L2 on the development machine and the order
+    of a llama-1b-shape block per rank (16-48 MiB); a 7B-class block streams more."""
+
+    def __init__(self, nbytes: int = FLUSH_BYTES) -> None:
+        self.weights = torch.empty(max(1, nbytes // 4 // 1024), 1024).uniform_(-1.0, 1.0)
+        self.x = torch.ones(1, 1024)
+
+    def __call__(self) -> float:
+        """Stream the weights; the seconds it took (for timers that must leave them out)."""
+        start = time.perf_counter()
+        with torch.no_grad():
+            F.linear(self.x, self.weights)
+        return time.perf_counter() - start
 
 
 def _best(fn: Callable[[], Any], repeats: int, *, budget_s: float = 0.3) -> float:
@@ -139,7 +169,10 @@ def _collective_member(name: str, member: int, queue: Any) -> None:
     from deinfer_megatron.parallel.shm import ShmCollectives
 
     torch.set_num_threads(1)
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[member % len(cpus)]})  # a core each, as a job's local ranks run
     group = ShmCollectives(name, member, 2, create=member == 0, timeout_s=30.0)
+    flush, ready = CacheFlush(), torch.zeros(1)
     try:
         out = {}
         for kind in ("all_reduce", "all_gather"):
@@ -148,7 +181,15 @@ def _collective_member(name: str, member: int, queue: Any) -> None:
                 x = torch.ones(n)
                 gathered = torch.empty(2 * n)
                 op = (lambda: group.all_reduce(x)) if kind == "all_reduce" else (lambda: group.all_gather(gathered, x))
-                times.append(_best(op, 20, budget_s=0.5))
+                op()  # warm-up
+                cold = []
+                for _ in range(COLD_CALLS):  # a fixed count: both members make the same calls
+                    flush()
+                    group.all_reduce(ready)  # both flushed: the timed call waits for nobody
+                    start = time.perf_counter()
+                    op()
+                    cold.append(time.perf_counter() - start)
+                times.append(statistics.median(cold))
             out[kind] = times
         queue.put((member, out))
     finally:

@@ -47,7 +47,7 @@ from deinfer_megatron.layers.costs import Gemm
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3  # 2: framework overhead per TP size; 3: matrix products timed per shape. Bump when the table's fields or their meaning change: older caches are ignored
+FORMAT = 4  # 2: framework overhead per TP size; 3: matrix products timed per shape; 4: collectives and fixed times with cold caches. Bump when the table's fields or their meaning change: older caches are ignored
 GEMM_DTYPES = ("float32", "bfloat16")
 
 

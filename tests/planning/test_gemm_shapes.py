@@ -88,7 +88,7 @@ def test_previous_format_ignored_and_only_missing_shapes_measured(tmp_path, monk
     del old["shapes"]
     path = cache_path(key, tmp_path)
     path.write_text(json.dumps(old))
-    assert cost_model.FORMAT == 3 and load_cached(path, key) is None
+    assert cost_model.FORMAT > 2 and load_cached(path, key) is None
     asked = []
 
     def fake(dtype, needs, *, threads):

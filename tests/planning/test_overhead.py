@@ -114,7 +114,11 @@ def test_cache_of_the_previous_format_is_ignored(tmp_path, monkeypatch) -> None:
     del old["overhead"]
     path = cache_path(key, tmp_path)
     path.write_text(json.dumps(old))
-    assert cost_model.FORMAT == 3 and load_cached(path, key) is None
+    assert cost_model.FORMAT == 4 and load_cached(path, key) is None
+    # nor is a complete format-3 table: its collectives and fixed times were timed with hot caches
+    hot = cache_path(key, tmp_path / "hot")
+    cost_model.save(replace(params_only(), key=replace(key, format=3), overhead=zero_overhead(2)), hot)
+    assert load_cached(hot, key) is None
     measured = []
     monkeypatch.setattr("deinfer_megatron.planning.calibrate.measure_shapes", fake_measure_shapes)
     monkeypatch.setattr("deinfer_megatron.planning.calibrate.calibrate",
@@ -137,3 +141,50 @@ def test_calibration_on_two_ranks() -> None:
     values = [v for per in got["blocks"].values() for v in per.values()] + [got["layer"], got["outside"]]
     assert all(math.isfinite(v) and 0.0 <= v < 1.0 for v in values), got
     assert sum(values) > 0, "a step has framework time"
+
+
+def test_block_timer_leaves_the_cache_flush_out(monkeypatch) -> None:
+    """On a clock that only the modules move: the flush before every block (100 s each) is in no
+    part, and every part is what its modules spent."""
+    import torch
+
+    clock = [0.0]
+    monkeypatch.setattr(overhead.time, "perf_counter", lambda: clock[0])
+
+    class Block(torch.nn.Module):
+        def __init__(self, seconds: float) -> None:
+            super().__init__()
+            self.seconds = seconds
+
+        def forward(self, x):
+            clock[0] += self.seconds
+            return x
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.self_attention, self.mlp = Block(3.0), Block(5.0)
+
+        def forward(self, x):
+            clock[0] += 0.5  # the input norm
+            x = self.mlp(self.self_attention(x))
+            clock[0] += 0.25  # a residual add
+            return x
+
+    def flush() -> float:
+        clock[0] += 100.0
+        return 100.0
+
+    layers = [Layer(), Layer()]
+    timer = overhead.BlockTimer(layers, flush=flush)
+    for _ in range(2):
+        timer.step_mark()
+        clock[0] += 7.0  # embedding, sampling
+        x = torch.zeros(1)
+        for layer in layers:
+            x = layer(x)
+        clock[0] += 1.0
+    timer.step_mark()
+    timer.close()
+    assert timer.steps == [{"attention": 3.0, "mlp": 5.0, "layer": 0.75, "outside": 8.0}] * 2
+    assert timer.medians() == {"attention": 3.0, "mlp": 5.0, "layer": 0.75, "outside": 8.0}
