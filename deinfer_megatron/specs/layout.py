@@ -138,6 +138,10 @@ class LayoutPlan:
     def to_json(self) -> list[dict[str, str]]:
         return [{"attention": b.attention.value, "mlp": b.mlp.value} for b in self.layers]
 
+    def describe(self) -> str:
+        """The per-block layouts in one line, as a log shows them: ``0 deinfer/naive, 1 dense/deinfer, ...``."""
+        return ", ".join(f"{i} {b.attention.value}/{b.mlp.value}" for i, b in enumerate(self.layers))
+
     @classmethod
     def from_json(cls, doc: list[dict[str, str]], name: str = AUTO) -> "LayoutPlan":
         return cls(tuple(BlockLayouts(Layout.parse(b["attention"]), Layout.parse(b["mlp"])) for b in doc), name)
