@@ -74,6 +74,10 @@ FACTOR_CLASSES: dict[Layout, FactorClasses | None] = {
 
 
 AUTO = "auto"  # ``--layout auto``: the planner's cost model picks a layout per block (planning.auto)
+# The ``--layout`` of ``generate`` and ``eval-ppl`` when none is given: a job knows its batch and
+# context before its ranks start, so the cost model can price it once; ``serve`` (whose batch
+# changes every step) and ``heal`` (training) keep a fixed layout of their own.
+INFERENCE_DEFAULT = AUTO
 
 
 @dataclass(frozen=True)
