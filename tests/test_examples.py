@@ -204,8 +204,8 @@ def test_heal_then_serve_answers_what_generate_answers(tmp_path: Path, capfd) ->
     assert healing["steps"] == 2 and healing["tokens"] == 256 and healing["first_kl"] > 0
 
     capfd.readouterr()
-    assert run(["generate", "--model", got["healed"], "--chat", "--greedy", "--prompt", got["prompt"],
-                "--max-new-tokens", "8", "--json"]) == 0
+    assert run(["generate", "--model", got["healed"], "--layout", "deinfer", "--chat", "--greedy",  # serve's layout
+                "--prompt", got["prompt"], "--max-new-tokens", "8", "--json"]) == 0
     want = json.loads(capfd.readouterr().out)["outputs"][0]
     assert got["answer"] == want["text"] and want["text"].strip()
     assert got["usage"]["completion_tokens"] == len(want["token_ids"])

@@ -3,6 +3,9 @@
 argparse turns a ``type`` callable's ``ValueError`` into "invalid parse value: 'x'"; only an
 ``ArgumentTypeError`` keeps its text. ``parsed_by`` wraps an enum's ``parse`` so that the
 message the enum writes (what was wrong, and the choices) is the one the user reads.
+
+``add_inference_layout`` is the one ``--layout`` of the inference commands (``generate``,
+``eval-ppl``), so that their default and its help are written once.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import argparse
 from enum import Enum
 from typing import Callable, TypeVar
+
+from deinfer_megatron.specs.layout import INFERENCE_DEFAULT, layout_option_names, parse_layout_option
 
 T = TypeVar("T")
 
@@ -31,3 +36,13 @@ def names(enum: type[Enum]) -> list[str]:
     """The values of ``enum``, for ``choices=`` (the help shows ``{a,b}``; a parsed member is
     equal to its value, so argparse's check of the choices still holds)."""
     return [m.value for m in enum]
+
+
+def add_inference_layout(parser: argparse.ArgumentParser) -> None:
+    """``--layout`` of ``generate`` and ``eval-ppl``: ``auto`` or a fixed layout, default
+    ``specs.layout.INFERENCE_DEFAULT``."""
+    parser.add_argument(
+        "--layout", type=parsed_by(parse_layout_option), choices=layout_option_names(), default=INFERENCE_DEFAULT,
+        help="auto: the fastest layout per attention and MLP block by this host's cost model (measured "
+             "once on first use, tens of seconds, then cached; docs/INFERENCE.md); deinfer, naive or "
+             "dense: that layout for every block (default: %(default)s)")

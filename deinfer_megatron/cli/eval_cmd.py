@@ -6,10 +6,9 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from deinfer_megatron.cli.arguments import names, parsed_by
+from deinfer_megatron.cli.arguments import add_inference_layout
 from deinfer_megatron.cli.output import emit_json
 from deinfer_megatron.evaluation.perplexity import PerplexityJob, evaluate
-from deinfer_megatron.specs.layout import Layout, layout_option_names, parse_layout_option
 
 
 @dataclass(frozen=True)
@@ -28,10 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--layout", type=parsed_by(parse_layout_option), choices=layout_option_names(), default=Layout.DEINFER,
-                   help="deinfer (default), naive or dense for every block; auto: the fastest layout per "
-                        "block by this host's cost model (measured once, cached; not yet the default: "
-                        "its predictions are not yet validated against measured steps, docs/INFERENCE.md)")
+    add_inference_layout(p)
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="load a decomposed folder made elsewhere, without its manifest")

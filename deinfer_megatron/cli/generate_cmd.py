@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from deinfer_megatron.cli.arguments import names, parsed_by
+from deinfer_megatron.cli.arguments import add_inference_layout, names, parsed_by
 from deinfer_megatron.cli.output import emit_json
 from deinfer_megatron.files.text import read_text
 from deinfer_megatron.generation.job import GenerateJob, prepare, run_generate
@@ -17,7 +17,6 @@ from deinfer_megatron.generation.sampling import SamplingParams
 from deinfer_megatron.launch.external import LAUNCHERS, run_under_launcher
 from deinfer_megatron.launch.report import send_report
 from deinfer_megatron.layers.kv_cache import CacheKind
-from deinfer_megatron.specs.layout import Layout, layout_option_names, parse_layout_option
 
 
 @dataclass(frozen=True)
@@ -45,10 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--layout", type=parsed_by(parse_layout_option), choices=layout_option_names(), default=Layout.DEINFER,
-                   help="deinfer (default), naive or dense for every block; auto: the fastest layout per "
-                        "block by this host's cost model (measured once, cached; not yet the default: "
-                        "its predictions are not yet validated against measured steps, docs/INFERENCE.md)")
+    add_inference_layout(p)
     p.add_argument("--collectives", type=parsed_by(Collectives.parse), choices=names(Collectives),
                    default=Collectives.AUTO,
                    help="auto: shared memory between the CPU ranks of a node, the process group beyond; "

@@ -35,7 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", type=Path, required=True, help="decomposed model folder")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--layout", type=parsed_by(Layout.parse), choices=names(Layout), default=Layout.DEINFER)
+    p.add_argument("--layout", type=parsed_by(Layout.parse), choices=names(Layout), default=Layout.DEINFER,
+                   help="deinfer (default) or naive for every block; not auto, which prices one batch and "
+                        "context while the server's batch changes every step")
     p.add_argument("--kv-cache", type=parsed_by(CacheKind.parse), choices=names(CacheKind), default=CacheKind.FULL)
     p.add_argument("--no-absorb", dest="absorb", action="store_false",
                    help="latent cache: rebuild V instead of absorbing U_v after attention")

@@ -8,6 +8,7 @@ rank 0 reports it whatever the pipeline layout.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,6 +21,8 @@ from deinfer_megatron.launch.env import detect
 from deinfer_megatron.launch.run import run_on_ranks
 from deinfer_megatron.planning.agree import needs_agreement, plan_in_job, plan_on_rank0
 from deinfer_megatron.specs.layout import AUTO, Layout, LayoutPlan, parse_layout_option
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,8 @@ def _rank(job: PerplexityJob) -> dict:
             job = replace(job, layout=plan_in_job(lambda link: auto_plan_for(job, link), mine, groups)[0])
             check_fits(*open_config(job.model, verify=False), job.layout, tp=job.tp, pp=job.pp, dtype_bytes=4)
         stage = load_folder(job.model, job.layout, groups, verify=False)  # evaluate() verified it
+        if stage.layout.value == AUTO:  # as generate's ranks: a command that fails earlier prints one line
+            log.info("--layout auto: %s", stage.layout.describe())
         device = next(stage.model.parameters()).device  # the windows go where the stage lives
         total = torch.zeros(2, dtype=torch.float64, device=device)  # summed NLL, predicted tokens
         for batch in windows.to(device).split(job.batch):
@@ -115,9 +120,14 @@ def auto_plan_for(job: PerplexityJob, collectives: dict[str, list[float]] | None
 
 
 def evaluate(job: PerplexityJob) -> dict | None:
-    """Perplexity of ``job.model`` on ``job.text``; None on ranks that do not report."""
+    """Perplexity of ``job.model`` on ``job.text``; None on ranks that do not report.
+
+    Everything is checked before the ranks start, and before ``--layout auto`` is priced (a
+    first ``auto`` run calibrates the host and times the model's own shapes): the sizes against
+    every candidate layout, the folder, the text; then the chosen plan's fit."""
     from deinfer_megatron.checkpoints.folder import open_config, open_model
-    from deinfer_megatron.planning.preflight import check_fits
+    from deinfer_megatron.planning.auto import CANDIDATES
+    from deinfer_megatron.planning.preflight import check_fits, check_fits_some
 
     arch, ranks = open_config(job.model, verify=job.verify)  # fail fast, before ranks start
     if job.window > arch.max_positions:
@@ -125,12 +135,16 @@ def evaluate(job: PerplexityJob) -> dict | None:
                          f"{arch.max_positions} tokens; use --window {arch.max_positions} or less")
     if job.max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {job.max_tokens}")
-    if job.layout == AUTO and detect() is None:  # under a launcher: resolved in the ranks (_rank)
-        job = replace(job, layout=auto_plan_for(job))
-    if not needs_agreement(job.layout):
-        check_fits(arch, ranks, job.layout, tp=job.tp, pp=job.pp, dtype_bytes=4)
+    sizes = dict(tp=job.tp, pp=job.pp, dtype_bytes=4)
+    if job.layout == AUTO:
+        check_fits_some(arch, ranks, CANDIDATES, **sizes)
+    else:
+        check_fits(arch, ranks, job.layout, **sizes)
     open_model(job.model, verify=job.verify)
     token_windows(job.model, job.text, job.max_tokens, job.window)
+    if job.layout == AUTO and detect() is None:  # under a launcher: resolved in the ranks (_rank)
+        job = replace(job, layout=auto_plan_for(job))
+        check_fits(arch, ranks, job.layout, **sizes)
     result = run_on_ranks(job.tp * job.pp, _rank, job)
     if result is None:
         return None

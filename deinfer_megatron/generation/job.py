@@ -103,7 +103,11 @@ def eos_ids(model: Path, tokenizer: Any) -> frozenset[int]:
 
 
 def validate(job: GenerateJob, prompt_ids: list[list[int]]) -> None:
-    """Everything that can be checked before ranks start (the weights' manifest included)."""
+    """Everything that can be checked before ranks start (the weights' manifest included) — for
+    ``--layout auto``, before it is priced: a first ``auto`` run on a host calibrates for tens of
+    seconds and times matrix products at the model's own shapes, so a bad input or a folder that
+    fails verification is refused first, and sizes that fit under no layout are refused before
+    any of those shapes is allocated. The chosen plan's own checks follow (``check_layout``)."""
     from deinfer_megatron.checkpoints.folder import open_config, open_model
     from deinfer_megatron.generation.context import slot_length
 
@@ -118,7 +122,13 @@ def validate(job: GenerateJob, prompt_ids: list[list[int]]) -> None:
         )
     needed = max(map(len, prompt_ids)) + job.max_new_tokens
     slot_length(needed, max_positions=arch.max_positions, bytes_per_token=0, slots=len(prompt_ids), budget_gb=None)
-    if not needs_agreement(job.parallel.layout):  # a launched job's auto: checked in the ranks, once agreed
+    if job.parallel.layout == AUTO:  # the plan is checked once chosen: here (prepare) or in the ranks
+        from deinfer_megatron.planning.auto import CANDIDATES
+        from deinfer_megatron.planning.preflight import check_fits_some
+
+        check_fits_some(arch, ranks, CANDIDATES, tp=job.parallel.tp, pp=job.parallel.pp,
+                        dtype_bytes=job.dtype.itemsize, kv_tokens=len(prompt_ids) * needed, kv_cache=job.cache.kind)
+    else:
         check_layout(job, prompt_ids, arch, ranks)
     open_model(job.model, verify=job.verify)  # manifest, shapes
 
@@ -196,7 +206,7 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
             check_layout(job, prompt_ids, *open_config(job.model, verify=False))
         stage = load_folder(job.model, par.layout, groups, dtype=job.dtype.torch, verify=False)  # prepare() verified
         if stage.layout.value == AUTO:  # logged by the ranks: a command that fails earlier prints one line
-            log.info("--layout auto: %s", describe_plan(stage.layout))
+            log.info("--layout auto: %s", stage.layout.describe())
         tokens = slot_length(
             max(map(len, prompt_ids)) + job.max_new_tokens, max_positions=stage.arch.max_positions,
             bytes_per_token=kv_bytes_per_token(stage, cache.kind), slots=len(prompt_ids),
@@ -289,22 +299,22 @@ def resolve_layout(job: GenerateJob, prompt_ids: list[list[int]]) -> GenerateJob
     return replace(job, parallel=replace(job.parallel, layout=auto_plan_for(job, prompt_ids)))
 
 
-def describe_plan(plan: Any) -> str:
-    """A plan's per-block layouts in one line: ``0 deinfer/naive, 1 dense/deinfer, ...``."""
-    return ", ".join(f"{i} {b.attention.value}/{b.mlp.value}" for i, b in enumerate(plan.layers))
-
-
-def prepare(job: GenerateJob) -> list[list[int]]:
-    """Check ``job`` and tokenise its prompts, before any rank starts; the prompts' token ids."""
+def prepare(job: GenerateJob) -> tuple[GenerateJob, list[list[int]]]:
+    """Check ``job``, tokenise its prompts and resolve ``--layout auto`` (``resolve_layout``),
+    before any rank starts: the job as its ranks run it, and the prompts' token ids."""
     from deinfer_megatron.arch.model import load_arch
+    from deinfer_megatron.checkpoints.folder import open_config
 
     load_arch(job.model)  # a missing folder or config.json is named before the tokenizer is read
     prompt_ids = encode_prompts(job, _tokenizer(job.model))
-    validate(resolve_layout(job, prompt_ids), prompt_ids)
-    return prompt_ids
+    validate(job, prompt_ids)
+    resolved = resolve_layout(job, prompt_ids)
+    if resolved is not job:  # auto, priced here: what depends on the plan it chose
+        check_layout(resolved, prompt_ids, *open_config(job.model, verify=False))  # validate() verified
+    return resolved, prompt_ids
 
 
 def run_generate(job: GenerateJob) -> dict[str, Any] | None:
     """Generate for ``job``; the result on the reporting process, None on other ranks."""
-    prompt_ids = prepare(job)
-    return run_on_ranks(job.parallel.world, _rank, resolve_layout(job, prompt_ids), prompt_ids)
+    job, prompt_ids = prepare(job)
+    return run_on_ranks(job.parallel.world, _rank, job, prompt_ids)

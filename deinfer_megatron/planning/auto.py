@@ -198,9 +198,14 @@ def auto_plan(arch: ModelArch, rank_config: RankConfig, work: Workload,
               table: CostTable | None = None, collectives: dict[str, list[float]] | None = None) -> AutoChoice:
     """``choose_layouts`` with this host's cached (or freshly measured) table when none is given;
     ``collectives`` (rates measured in the job's own TP group, ``planning.agree``) replace the
-    table's for this choice only — never cached under the host's key."""
+    table's for this choice only — never cached under the host's key.
+
+    A model without a decomposed block has nothing to choose (every block is Megatron's dense one
+    in every layout): its plan is the dense layout, named so, and no table is read or measured."""
     from dataclasses import replace
 
+    if not rank_config.modules:
+        return AutoChoice(LayoutPlan.uniform(Layout.DENSE, arch.num_layers), [])
     if table is None:
         try:
             table = table_for(arch, rank_config, work)

@@ -306,6 +306,8 @@ def host_table(*, tp: int, threads: int | None = None, root: Path | None = None,
     if (table is not None and (tp == 1 or table.collectives) and str(tp) in table.overhead
             and not table.missing_shapes(dtype, gemms)):
         return table
+    log.info("measuring this machine's cost table once (%s; up to tens of seconds), "
+             "cached in %s", ", ".join(_to_measure(table, tp, dtype, gemms)), path)
     if table is None or (tp > 1 and not table.collectives):
         table = calibrate(key, collectives=tp > 1)
     if str(tp) not in table.overhead:
@@ -315,5 +317,18 @@ def host_table(*, tp: int, threads: int | None = None, root: Path | None = None,
         table = replace(table, overhead={**table.overhead, str(tp): measure_overhead(table, tp)})
     table = with_shapes(table, dtype, gemms)
     save(table, path)
-    log.info("cost table measured and cached in %s", path)
     return table
+
+
+def _to_measure(table: CostTable | None, tp: int, dtype: str, gemms: list[tuple[Gemm, int]]) -> list[str]:
+    """What ``host_table`` is about to measure, as the user reads it: the one line said before
+    the pause, where the command would otherwise sit silent through a calibration."""
+    parts = []
+    if table is None or (tp > 1 and not table.collectives):
+        parts.append("GEMM, memory and collective rates" if tp > 1 else "GEMM and memory rates")
+    if table is None or str(tp) not in table.overhead:
+        parts.append(f"framework time at TP={tp}")
+    shapes = len(set(gemms)) if table is None else len(table.missing_shapes(dtype, gemms))
+    if shapes:
+        parts.append(f"{shapes} matrix product shape{'s' if shapes != 1 else ''} of this job")
+    return parts

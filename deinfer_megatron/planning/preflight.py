@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterable
 
 from deinfer_megatron.arch.model import ModelArch
 from deinfer_megatron.planning.plan import make_plan
@@ -70,3 +71,20 @@ def check_fits(
             f"{arch.num_layers} layers) or spread the job over more machines"
         )
     return need
+
+
+def check_fits_some(arch: ModelArch, rank_config: RankConfig, layouts: Iterable[str], *, tp: int, pp: int,
+                    dtype_bytes: int, kv_tokens: int = 0, kv_cache: str = "full") -> None:
+    """``check_fits`` for a job whose layout is not chosen yet (``--layout auto`` before it is
+    priced): the pricing times matrix products at the model's own shapes, so a config.json whose
+    sizes fit under none of ``layouts`` is refused first, with the first layout's error. The
+    chosen plan is checked again (``check_fits``) once it is known."""
+    errors = []
+    for layout in layouts:
+        try:
+            check_fits(arch, rank_config, layout, tp=tp, pp=pp, dtype_bytes=dtype_bytes,
+                       kv_tokens=kv_tokens, kv_cache=kv_cache)
+            return
+        except ValueError as err:
+            errors.append(err)
+    raise errors[0]

@@ -74,6 +74,10 @@ FACTOR_CLASSES: dict[Layout, FactorClasses | None] = {
 
 
 AUTO = "auto"  # ``--layout auto``: the planner's cost model picks a layout per block (planning.auto)
+# The ``--layout`` of ``generate`` and ``eval-ppl`` when none is given: a job knows its batch and
+# context before its ranks start, so the cost model can price it once; ``serve`` (whose batch
+# changes every step) and ``heal`` (training) keep a fixed layout of their own.
+INFERENCE_DEFAULT = AUTO
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,10 @@ class LayoutPlan:
 
     def to_json(self) -> list[dict[str, str]]:
         return [{"attention": b.attention.value, "mlp": b.mlp.value} for b in self.layers]
+
+    def describe(self) -> str:
+        """The per-block layouts in one line, as a log shows them: ``0 deinfer/naive, 1 dense/deinfer, ...``."""
+        return ", ".join(f"{i} {b.attention.value}/{b.mlp.value}" for i, b in enumerate(self.layers))
 
     @classmethod
     def from_json(cls, doc: list[dict[str, str]], name: str = AUTO) -> "LayoutPlan":

@@ -97,7 +97,7 @@ def test_the_checkpoint_is_served_and_planned_as_it_is(folders, capsys) -> None:
     tokens = {}
     for model in ("ckpt", "dec"):  # bfloat16 from the float32 checkpoint: cast as a folder's load casts
         assert run(["generate", "--model", str(folders[model]), "--prompt", PROMPT, "--max-new-tokens", "5",
-                    "--dtype", "bfloat16", "--json"]) == 0
+                    "--layout", "deinfer", "--dtype", "bfloat16", "--json"]) == 0
         tokens[model] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["outputs"][0]["token_ids"]
     assert tokens["ckpt"] == tokens["dec"]
     assert run(["plan", "--model", str(folders["ckpt"]), "--tp", "2", "--json"]) == 0

@@ -46,10 +46,30 @@ def generate_args(model: Path, *extra: str) -> list[str]:
     return args + list(extra)
 
 
-def test_json_output(models) -> None:
-    proc = cli(*generate_args(models["dec"], "--tp", "2", "--kv-cache", "latent"))
+def test_json_output_in_the_default_layout(models, tmp_path: Path) -> None:
+    """Without ``--layout`` the job resolves ``auto``: here from a planted cost table (in a cache
+    of its own, so nothing is measured) that favours naive wherever it may, so the plan mixes
+    layouts — attention in DeInfer, which the latent cache needs, MLPs naive — and the JSON names
+    it. The tokens are Hugging Face's, which ``--layout deinfer`` gives too
+    (``test_launchers_give_the_same_tokens``)."""
+    from deinfer_megatron.checkpoints.folder import open_config
+    from deinfer_megatron.planning import cost_model
+    from tests.helpers.cost_tables import favouring
+
+    arch, ranks = open_config(models["dec"], verify=False)
+    assert all(layer.decomposed for layer in ranks.layers), "every block has a layout to choose"
+    table = favouring("naive", arch, ranks, tp=2, batches=(len(PROMPTS),))
+    cached = cost_model.cache_path(table.key, tmp_path / "cost_model")
+    cost_model.save(table, cached)
+    before = cached.read_bytes()
+    proc = cli(*generate_args(models["dec"], "--tp", "2", "--kv-cache", "latent"),
+               env={"DEINFER_MEGATRON_CACHE": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["layout"] == "auto" and doc["kv_cache"] == "latent"
+    assert doc["block_layouts"] == [{"attention": "deinfer", "mlp": "naive"}] * arch.num_layers
+    assert "measuring" not in proc.stderr
+    assert cached.read_bytes() == before, "a complete table is read, not measured again"
     assert [o["token_ids"] for o in doc["outputs"]] == models["expected"]
     for out, prompt in zip(doc["outputs"], PROMPTS):
         assert out["prompt"] == prompt and out["finish_reason"] == "length" and out["text"]
@@ -58,7 +78,8 @@ def test_json_output(models) -> None:
 
 
 def test_single_prompt_streams_text(models) -> None:
-    proc = cli("generate", "--model", str(models["dec"]), "--max-new-tokens", "6", "--prompt", PROMPTS[0])
+    proc = cli("generate", "--model", str(models["dec"]), "--layout", "deinfer", "--max-new-tokens", "6",
+               "--prompt", PROMPTS[0])
     assert proc.returncode == 0, proc.stderr
     import transformers
 
@@ -69,7 +90,7 @@ def test_single_prompt_streams_text(models) -> None:
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
 def test_launchers_give_the_same_tokens(models, launcher: str) -> None:
     extra = ["--engine", "deepspeed"] if launcher == "deepspeed" else []
-    proc = cli(*generate_args(models["dec"], "--tp", "2", "--launcher", launcher, *extra))
+    proc = cli(*generate_args(models["dec"], "--tp", "2", "--layout", "deinfer", "--launcher", launcher, *extra))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(proc.stdout)  # stdout is the one JSON document, the launcher's logs go to stderr
     assert [o["token_ids"] for o in doc["outputs"]] == models["expected"]
@@ -99,7 +120,7 @@ def test_flags_are_parsed_into_a_typed_config(tmp_path: Path) -> None:
     from deinfer_megatron.generation.options import DType, Engine
     from deinfer_megatron.layers.kv_cache import CacheKind
     from deinfer_megatron.parallel.collectives import Collectives
-    from deinfer_megatron.specs.layout import Layout
+    from deinfer_megatron.specs.layout import INFERENCE_DEFAULT, Layout
 
     args = build_parser().parse_args(
         ["generate", "--model", str(tmp_path), "--prompt", "Hi", "--prompt", "Ho", "--tp", "2", "--layout", "naive",
@@ -115,9 +136,29 @@ def test_flags_are_parsed_into_a_typed_config(tmp_path: Path) -> None:
     assert job.engine is Engine.DEEPSPEED and job.dtype is DType.BFLOAT16
     defaults = build_parser().parse_args(["generate", "--model", str(tmp_path), "--prompt", "Hi"])
     job = defaults.make_config(defaults).job
-    assert job.parallel.layout is Layout.DEINFER and job.cache.kind is CacheKind.FULL and job.stream
+    assert job.parallel.layout == INFERENCE_DEFAULT == "auto" and job.cache.kind is CacheKind.FULL and job.stream
     assert job.parallel.collectives is Collectives.AUTO
     assert job.engine is Engine.MEGATRON and job.dtype is DType.FLOAT32
+
+
+def test_inference_commands_default_to_auto_and_serve_to_deinfer(capsys) -> None:
+    """``generate`` and ``eval-ppl`` default to ``auto`` and their help says so; ``serve`` keeps
+    a fixed layout (deinfer) and offers no ``auto``."""
+    from deinfer_megatron.cli.main import build_parser
+
+    parser = build_parser()
+    for command, extra in (("generate", ["--prompt", "Hi"]), ("eval-ppl", ["--text", "t.txt"])):
+        args = parser.parse_args([command, "--model", "m", *extra])
+        job = args.make_config(args).job
+        assert (job.parallel.layout if command == "generate" else job.layout) == "auto", command
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, "--help"])
+        assert "(default: auto)" in " ".join(capsys.readouterr().out.split()), command
+    args = parser.parse_args(["serve", "--model", "m"])
+    assert args.make_config(args).job.parallel.layout == "deinfer"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--model", "m", "--layout", "auto"])
+    assert "unknown layout 'auto'" in capsys.readouterr().err
 
 
 def test_an_unknown_choice_names_the_choices(capsys) -> None:

@@ -59,3 +59,16 @@ def with_free_shapes(table: CostTable, arch, rank_config, *, tp: int, batches) -
         for g, m in required_gemms(arch, rank_config, Workload(tp=tp, batch=b)):
             shapes.setdefault(shape_key("float32", g), []).append([float(m), 0.0])
     return replace(table, shapes={k: sorted(v) for k, v in shapes.items()})
+
+
+def favouring(layout: str, arch, rank_config, *, tp: int, batches) -> CostTable:
+    """This host's key (one thread) with a table where only the blocks' fixed framework time
+    costs anything, and nothing in ``layout``; every shape a plan at ``batches`` prices planted
+    (``with_free_shapes``). Saved under a ``DEINFER_MEGATRON_CACHE`` it makes a real command's
+    ``--layout auto`` choose ``layout`` wherever it may, without measuring anything."""
+    from deinfer_megatron.planning.cost_model import TableKey
+
+    blocks = {l: {b: (0.0 if l == layout else 1.0) for b in ("attention", "mlp")} for l in ("deinfer", "naive", "dense")}
+    table = CostTable(TableKey.current(1), _gemm(FREE), FREE, {"all_reduce": [0.0, FREE], "all_gather": [0.0, FREE]},
+                      {str(tp): {"blocks": blocks, "layer": 0.0, "outside": 0.0}})
+    return with_free_shapes(table, arch, rank_config, tp=tp, batches=batches)

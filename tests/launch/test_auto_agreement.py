@@ -18,22 +18,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.helpers.cost_tables import favouring
 from tests.helpers.tiny_models import full_rank_folders
 
 PROMPTS = ["It is a truth universally acknowledged", "Emma Woodhouse, handsome, clever"]
 NEW_TOKENS = 6
-
-
-def favouring(layout: str, arch, rank_config):
-    """A table where only block overhead costs time, and nothing in ``layout``."""
-    from deinfer_megatron.planning import cost_model
-    from tests.helpers.cost_tables import FREE, _gemm, with_free_shapes
-
-    blocks = {l: {b: (0.0 if l == layout else 1.0) for b in ("attention", "mlp")} for l in ("deinfer", "naive", "dense")}
-    table = cost_model.CostTable(cost_model.TableKey.current(1), _gemm(FREE), FREE,
-                                 {"all_reduce": [0.0, FREE], "all_gather": [0.0, FREE]},
-                                 {"2": {"blocks": blocks, "layer": 0.0, "outside": 0.0}})
-    return with_free_shapes(table, arch, rank_config, tp=2, batches=(len(PROMPTS),))
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +46,7 @@ def planted(tmp_path_factory) -> dict:
     context = max(len(tok(p)["input_ids"]) for p in PROMPTS) + NEW_TOKENS
     plans, files = [], []
     for rank, layout in enumerate(("naive", "deinfer")):
-        table = favouring(layout, arch, ranks)
+        table = favouring(layout, arch, ranks, tp=2, batches=(len(PROMPTS),))
         work = Workload(tp=2, batch=len(PROMPTS), context=context)
         plans.append(choose_layouts(arch, ranks, work, table).plan.to_json())
         if rank == 1:  # one shape short: a rank pricing its own plan would measure it and rewrite the file

@@ -98,8 +98,9 @@ def test_tp2_across_two_namespaces_gives_the_hugging_face_tokens(tmp_path) -> No
             env = dict(os.environ, RANK=str(node), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR=nodes.addr[0],
                        MASTER_PORT=str(PORT), GLOO_SOCKET_IFNAME=nodes.dev[node], OMP_NUM_THREADS="1")
             procs.append(nodes.popen(node, [sys.executable, "-m", "deinfer_megatron.cli.main", "generate",
-                                            "--model", str(model), "--tp", "2", "--kv-cache", "latent",
-                                            "--max-new-tokens", "6", "--prompt", PROMPT, "--json"],
+                                            "--model", str(model), "--tp", "2", "--layout", "deinfer",
+                                            "--kv-cache", "latent", "--max-new-tokens", "6", "--prompt", PROMPT,
+                                            "--json"],
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         started = time.monotonic()
         outs = [p.communicate(timeout=300) for p in procs]

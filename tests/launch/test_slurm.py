@@ -65,7 +65,7 @@ def test_generate_sbatch_two_tasks(slurm_cluster: None, tmp_path) -> None:
                                pad_token_id=0)[0, ids.shape[1]:].tolist()
 
     rc, out = run_sbatch("scripts/slurm/generate.sbatch", "--ntasks=2", "--nodes=1", timeout=400,
-                         script_args=("--model", str(model), "--tp", "2", "--kv-cache", "latent",
+                         script_args=("--model", str(model), "--tp", "2", "--layout", "deinfer", "--kv-cache", "latent",
                                       "--max-new-tokens", "6", "--prompt", prompt, "--json"))
     assert rc == 0, f"generate.sbatch exited {rc}; output:\n{out}"
     docs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]

@@ -49,7 +49,8 @@ def test_generate_sbatch_spans_both_nodes(cluster, model_and_tokens, tp: int, pp
     model, expected = model_and_tokens
     rc, out = cluster.sbatch("scripts/slurm/generate.sbatch", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2",
                              timeout=300, script_args=("--model", str(model), "--tp", str(tp), "--pp", str(pp),
-                                                       "--max-new-tokens", "6", "--prompt", PROMPT, "--json"))
+                                                       "--layout", "deinfer", "--max-new-tokens", "6",
+                                                       "--prompt", PROMPT, "--json"))
     assert rc == 0, f"generate.sbatch exited {rc}; output:\n{out}"
     docs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert len(docs) == 1, f"exactly rank 0 reports; output:\n{out}"

@@ -4,6 +4,7 @@ trusted only for the host, version, torch and thread count that measured it."""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 
 import pytest
@@ -97,7 +98,22 @@ def test_latent_cache_keeps_every_decomposed_attention_in_deinfer() -> None:
     assert choice.plan.supports_latent_cache
 
 
-def test_cache_of_another_host_or_version_is_ignored(tmp_path, monkeypatch) -> None:
+def test_a_dense_model_has_nothing_to_choose(monkeypatch) -> None:
+    """``auto`` (the default of ``generate``) on a model without decomposed blocks: dense
+    throughout, without reading or measuring a cost table."""
+    from deinfer_megatron.planning.auto import auto_plan
+
+    def never(*args, **kwargs):
+        raise AssertionError("a dense model needs no cost table")
+
+    monkeypatch.setattr("deinfer_megatron.planning.auto.table_for", never)
+    arch = arch_from_hf_config(CFG)
+    choice = auto_plan(arch, RankConfig.dense(arch), Workload(tp=2))
+    assert choice.plan.name == "dense" and len(choice.plan.layers) == arch.num_layers
+    assert all(b.attention is Layout.DENSE and b.mlp is Layout.DENSE for b in choice.plan.layers)
+
+
+def test_cache_of_another_host_or_version_is_ignored(tmp_path, monkeypatch, caplog) -> None:
     key = TableKey.current(1)
     table = replace(params_only(), key=key)
     path = cache_path(key, tmp_path)
@@ -122,8 +138,13 @@ def test_cache_of_another_host_or_version_is_ignored(tmp_path, monkeypatch) -> N
     monkeypatch.setattr("deinfer_megatron.planning.overhead.measure_overhead",
                         lambda t, tp: zero_overhead(tp)[str(tp)])
     path.write_text(json.dumps(replace(table, key=replace(key, host="elsewhere")).to_json()))
-    assert cost_model.host_table(tp=2, threads=1, root=tmp_path).key == key
+    with caplog.at_level(logging.INFO, logger="deinfer_megatron.planning.cost_model"):
+        assert cost_model.host_table(tp=2, threads=1, root=tmp_path).key == key
     assert calls == [(key, True)]
+    said = [r.getMessage() for r in caplog.records if "measuring this machine's cost table once" in r.getMessage()]
+    assert len(said) == 1 and str(path) in said[0] and "framework time at TP=2" in said[0], said
     assert load_cached(path, key).key == key
-    cost_model.host_table(tp=2, threads=1, root=tmp_path)  # now cached: not measured again
-    assert len(calls) == 1
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="deinfer_megatron.planning.cost_model"):
+        cost_model.host_table(tp=2, threads=1, root=tmp_path)  # now cached: not measured again
+    assert len(calls) == 1 and not caplog.records

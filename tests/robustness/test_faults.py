@@ -74,7 +74,7 @@ def test_killing_the_command_under_torchrun_ends_everything(models, tmp_path) ->
 
 
 def test_two_jobs_at_once(models, tmp_path) -> None:
-    args = ("generate", "--model", str(models.decomposed), "--tp", "2", "--max-new-tokens", "4", "--json",
+    args = ("generate", "--model", str(models.decomposed), "--tp", "2", "--layout", "deinfer", "--max-new-tokens", "4", "--json",
             "--prompt", "It is a truth universally acknowledged")
     jobs = [Job(*args, tmp=tmp_path) for _ in range(2)]
     results = [j.finish(timeout=300) for j in jobs]

@@ -59,6 +59,28 @@ def test_sizes_that_do_not_match(models, tmp_path, capfd) -> None:
     assert "exceeds the model's context of 4096" in cli_error(capfd, *gen(models.dense, "--prompt", "word " * 5000))
 
 
+def test_auto_is_priced_only_after_the_input_is_checked(models, tmp_path, capfd, monkeypatch) -> None:
+    """``--layout auto`` (the default of ``generate`` and ``eval-ppl``) prices the job only once
+    its input is known good: a first run on a host calibrates for tens of seconds and times
+    matrix products at the model's own shapes, so bad input on a decomposed folder, and sizes
+    that fit under no layout, fail first."""
+    def never(*args, **kwargs):
+        raise AssertionError("--layout auto was priced before the input was checked")
+
+    monkeypatch.setattr("deinfer_megatron.planning.auto.auto_plan", never)
+    auto = ("--layout", "auto")
+    assert "exceeds the model's context of 4096" in cli_error(
+        capfd, *gen(models.decomposed, *auto, "--prompt", "word " * 5000))
+    assert "valid TP sizes: 1, 2, 4, 8" in cli_error(capfd, *gen(models.decomposed, *auto, "--prompt", "Hi", "--tp", "3"))
+    huge = _copy(models.decomposed, tmp_path / "huge", hidden_size=10**9)
+    line = cli_error(capfd, *gen(huge, *auto, "--prompt", "Hi", "--no-verify"))
+    assert "GiB is available" in line and "hidden_size 1000000000" in line
+    text = tmp_path / "text.txt"
+    text.write_text("It is a truth universally acknowledged. " * 200)
+    line = cli_error(capfd, "eval-ppl", "--model", huge, "--text", text, *auto, "--no-verify")
+    assert "GiB is available" in line and "hidden_size 1000000000" in line
+
+
 def test_prompts_files(models, tmp_path, capfd) -> None:
     not_a_string = tmp_path / "ints.jsonl"
     not_a_string.write_text('{"prompt": "fine"}\n{"prompt": 12345}\n')

@@ -25,7 +25,8 @@ def _copy(models, tmp_path: Path, name: str = "model") -> Path:
 
 
 def _generate(model: Path, *extra: str) -> list[str]:
-    return ["generate", "--model", str(model), "--prompt", "It is a truth", "--max-new-tokens", "3", "--json", *extra]
+    return ["generate", "--model", str(model), "--layout", "deinfer", "--prompt", "It is a truth", "--max-new-tokens", "3",
+            "--json", *extra]
 
 
 def _tokens(capfd, argv: list[str]) -> list[int]:
