@@ -6,10 +6,12 @@ Each rate is the best of a few repetitions, because a shared machine only ever a
 fastest run is the closest to what the hardware does. Latency and bandwidth of a collective are
 the line through its time at a small and a large message — each time the median of calls made
 with cold caches (``CacheFlush`` before each): in a decode step every collective follows a block
-that streamed its weights through the caches, and a collective whose buffers and code were
-evicted costs 1.5-3.5 times one called in a tight loop (44 µs hot, 69 µs after 16 MiB, 156 µs
-after 64 MiB for 16k floats on the 2-core development machine; 100-140 µs inside a llama-1b-shape
-step).
+that streamed its weights through the caches. How much that costs depends on the machine and on
+its neighbours: on the 2-core development machine, with another test suite running, an
+all-reduce of 16k floats took 44 µs in a tight loop, 69 µs after 16 MiB, 156 µs after 64 MiB were
+streamed; on the quiet machine the cold median latency was the hot loop's (45 µs) and the
+bandwidth lower (3.4 against 5.3 GB/s). Inside a llama-1b-shape step a collective costs
+100-190 µs, most of it the project's Python around the transport, which the fixed times hold.
 
 Matrix products are timed per shape as a plan needs them (``measure_shapes``): every call reads
 its weights from memory, as a decode step does (a model's weights on one rank outgrow the

@@ -61,7 +61,7 @@ class BlockTimer:
     left out of every part: each block then starts with the caches as cold as in a step of a
     model whose blocks stream more than a core's caches hold (at the calibration's tiny sizes
     everything would otherwise stay cached, and the Python of a block, its collectives' calls
-    included, would be priced at its hot-cache cost: 10-40 % less per block here)."""
+    included, would be priced at its hot-cache cost: 10-40 % less per block in a side-by-side run)."""
 
     def __init__(self, layers: Any, flush: Callable[[], float] | None = None) -> None:
         self.layers = list(layers)
