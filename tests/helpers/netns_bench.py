@@ -8,7 +8,11 @@ started with ``ip netns exec`` in its namespace, so every collective crosses the
 is pinned to its own core, as the local runner does.
 
     sudo python -m tests.helpers.netns_bench --synthetic llama-tiny --rate 1gbit \\
-        --layouts naive,deinfer --batch 8 --prompt-len 128 --gen-len 16 --repeats 3 [--json F]
+        --layouts auto,naive,deinfer --batch 8 --prompt-len 128 --gen-len 16 --repeats 3 [--predict] [--json F]
+
+Before the cells it measures the link (``measure_link``: what a launched ``--layout auto`` job
+measures in its ranks) and prices ``auto`` cells and ``--predict`` with those rates
+(``BenchGrid.collectives``), so ``auto`` chooses for the link, not for shared memory.
 
 ``--rate`` is unlimited, 10gbit or 1gbit (tc tbf; no added delay: netem is not available), or
 ``local``: no namespaces, the bench's own local runner, with ``--collectives`` choosing shared
