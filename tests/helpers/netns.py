@@ -120,6 +120,12 @@ class TwoNodes:
         self.procs.append(proc)
         return proc
 
+    def launcher_env(self, node: int, port: int, **extra: str) -> dict[str, str]:
+        """What a launcher sets for the rank on ``node`` of a TP=2 job with one rank per node:
+        rank ``node``, node a's address as the master, gloo on the veth, one thread."""
+        return dict(os.environ, RANK=str(node), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR=self.addr[0],
+                    MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=self.dev[node], OMP_NUM_THREADS="1", **extra)
+
     def set_rate(self, rate: str | None) -> None:
         """Limit both directions to ``rate`` (tc syntax, e.g. "1gbit"); None removes the limit."""
         for node in (0, 1):

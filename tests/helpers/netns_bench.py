@@ -74,9 +74,7 @@ class Pair:
         cpus = sorted(os.sched_getaffinity(0))
         procs, results = [], []
         for rank in (0, 1):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR=self.nodes.addr[0],
-                       MASTER_PORT=str(29400 + self.count), GLOO_SOCKET_IFNAME=self.nodes.dev[rank],
-                       OMP_NUM_THREADS="1")
+            env = self.nodes.launcher_env(rank, 29400 + self.count)
             results.append(self.scratch / f"run{self.count}.rank{rank}")
             argv = [sys.executable, "-c", script, *args, str(results[-1])]
             if len(cpus) >= 2:

@@ -10,7 +10,6 @@ Skipped, with the reason, without root or the ``ip``/``tc`` tools.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -95,8 +94,7 @@ def test_tp2_across_two_namespaces_gives_the_hugging_face_tokens(tmp_path) -> No
     with netns.two_nodes("1gbit") as nodes:
         procs = []
         for node in (0, 1):  # what a launcher sets on each node: rank 0 on node a is the master
-            env = dict(os.environ, RANK=str(node), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR=nodes.addr[0],
-                       MASTER_PORT=str(PORT), GLOO_SOCKET_IFNAME=nodes.dev[node], OMP_NUM_THREADS="1")
+            env = nodes.launcher_env(node, PORT)
             procs.append(nodes.popen(node, [sys.executable, "-m", "deinfer_megatron.cli.main", "generate",
                                             "--model", str(model), "--tp", "2", "--layout", "deinfer",
                                             "--kv-cache", "latent", "--max-new-tokens", "6", "--prompt", PROMPT,
@@ -140,9 +138,7 @@ def test_auto_across_namespaces_prices_the_jobs_own_link(tmp_path) -> None:
     with netns.two_nodes("1gbit") as nodes:
         procs = []
         for node in (0, 1):
-            env = dict(os.environ, RANK=str(node), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR=nodes.addr[0],
-                       MASTER_PORT=str(PORT + 1), GLOO_SOCKET_IFNAME=nodes.dev[node], OMP_NUM_THREADS="1",
-                       DEINFER_MEGATRON_CACHE=str(tmp_path / f"cache{node}"))
+            env = nodes.launcher_env(node, PORT + 1, DEINFER_MEGATRON_CACHE=str(tmp_path / f"cache{node}"))
             procs.append(nodes.popen(node, [sys.executable, "-m", "deinfer_megatron.cli.main", "generate",
                                             "--model", str(model), "--tp", "2", "--layout", "auto",
                                             "--max-new-tokens", "6", "--prompt", PROMPT, "--json"],
