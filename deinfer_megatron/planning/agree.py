@@ -26,8 +26,6 @@ import json
 import logging
 import math
 import os
-import statistics
-import time
 from typing import Any, Callable
 
 import torch
@@ -88,35 +86,26 @@ def measure_tp_collectives(tp: Any, device: torch.device) -> dict[str, list[floa
     decode step pays the typical one, and a bench reports medians. On CPU each call follows a
     cache flush, as in the host table (``planning.calibrate``)."""
     from deinfer_megatron.parallel import comm
-    from deinfer_megatron.planning.calibrate import CacheFlush
+    from deinfer_megatron.planning.calibrate import CacheFlush, cold_median, line_through
 
     flush = CacheFlush() if device.type == "cpu" else None  # as the host table times them: cold
     typical: list[float] = []
     for kind in ("all_reduce", "all_gather"):
         for n in SIZES:
             x = torch.zeros(n, device=device)
-            times = []
-            for _ in range(REPEATS + 1):  # the first is a warm-up
-                if flush is not None:
-                    flush()
-                comm.barrier(tp)
-                start = time.perf_counter()
+
+            def call() -> None:
                 if kind == "all_reduce":
                     comm.all_reduce_sum(x, tp, site="auto.measure", layer=-1)
                 else:
                     comm.all_gather_last_dim(x, tp, site="auto.measure", layer=-1)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                times.append(time.perf_counter() - start)
-            typical.append(statistics.median(times[1:]))
+
+            typical.append(cold_median(call, lambda: comm.barrier(tp), flush, REPEATS))
     worst = comm.max_over_world(torch.tensor(typical, dtype=torch.float64, device=device)).tolist()
-    out = {}
-    for i, kind in enumerate(("all_reduce", "all_gather")):
-        small, large = worst[2 * i], worst[2 * i + 1]
-        scale = tp.size if kind == "all_gather" else 1  # an all-gather is priced by its gathered bytes
-        bandwidth = 4 * scale * (SIZES[1] - SIZES[0]) / max(large - small, 1e-9)
-        out[kind] = [max(small - 4 * scale * SIZES[0] / bandwidth, 1e-7), bandwidth]
-    return out
+    return {kind: line_through(kind, SIZES, (worst[2 * i], worst[2 * i + 1]), tp.size)
+            for i, kind in enumerate(("all_reduce", "all_gather"))}
 
 
 def plan_in_job(price: Callable[[dict[str, list[float]]], LayoutPlan], first: Message | None,

@@ -63,6 +63,33 @@ class CacheFlush:
         return time.perf_counter() - start
 
 
+def cold_median(call: Callable[[], Any], sync: Callable[[], Any], flush: Callable[[], float] | None,
+                calls: int) -> float:
+    """Median seconds of ``call`` over ``calls`` timed calls after one warm-up, each after
+    ``flush`` (a ``CacheFlush``; None: none) and ``sync`` (a barrier of every member, so that the
+    timed call waits for nobody). Every member makes the same calls: a fixed count, never a time
+    budget, which would differ by member and leave a collective without its peers."""
+    call()
+    times = []
+    for _ in range(calls):
+        if flush is not None:
+            flush()
+        sync()
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def line_through(kind: str, sizes: tuple[int, int], seconds: tuple[float, float], members: int) -> list[float]:
+    """``[latency s, bytes/s]`` of a collective from its times at two float32 message sizes: the
+    line through them, an all-gather priced by its gathered bytes (``members`` × its input), as
+    the cost model prices it; a latency of at least 0.1 µs."""
+    scale = members if kind == "all_gather" else 1
+    bandwidth = 4 * scale * (sizes[1] - sizes[0]) / max(seconds[1] - seconds[0], 1e-9)
+    return [max(seconds[0] - 4 * scale * sizes[0] / bandwidth, 1e-7), bandwidth]
+
+
 def _best(fn: Callable[[], Any], repeats: int, *, budget_s: float = 0.3) -> float:
     fn()  # warm-up
     best = float("inf")
@@ -183,15 +210,7 @@ def _collective_member(name: str, member: int, queue: Any) -> None:
                 x = torch.ones(n)
                 gathered = torch.empty(2 * n)
                 op = (lambda: group.all_reduce(x)) if kind == "all_reduce" else (lambda: group.all_gather(gathered, x))
-                op()  # warm-up
-                cold = []
-                for _ in range(COLD_CALLS):  # a fixed count: both members make the same calls
-                    flush()
-                    group.all_reduce(ready)  # both flushed: the timed call waits for nobody
-                    start = time.perf_counter()
-                    op()
-                    cold.append(time.perf_counter() - start)
-                times.append(statistics.median(cold))
+                times.append(cold_median(op, lambda: group.all_reduce(ready), flush, COLD_CALLS))
             out[kind] = times
         queue.put((member, out))
     finally:
@@ -218,13 +237,8 @@ def measure_collectives() -> dict[str, list[float]]:
     finally:
         for p in procs:
             p.join(timeout=30)
-    out = {}
-    for kind in ("all_reduce", "all_gather"):
-        small, large = (max(a, b) for a, b in zip(results[0][kind], results[1][kind]))
-        nbytes = 4 * (LARGE - SMALL) * (2 if kind == "all_gather" else 1)
-        bandwidth = nbytes / max(large - small, 1e-9)
-        out[kind] = [max(small - 4 * SMALL / bandwidth, 1e-7), bandwidth]
-    return out
+    slowest = {kind: tuple(max(a, b) for a, b in zip(results[0][kind], results[1][kind])) for kind in results[0]}
+    return {kind: line_through(kind, (SMALL, LARGE), seconds, 2) for kind, seconds in slowest.items()}
 
 
 def calibrate(key: TableKey, *, collectives: bool) -> CostTable:
