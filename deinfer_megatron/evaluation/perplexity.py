@@ -126,8 +126,7 @@ def evaluate(job: PerplexityJob) -> dict | None:
     first ``auto`` run calibrates the host and times the model's own shapes): the sizes against
     every candidate layout, the folder, the text; then the chosen plan's fit."""
     from deinfer_megatron.checkpoints.folder import open_config, open_model
-    from deinfer_megatron.planning.auto import CANDIDATES
-    from deinfer_megatron.planning.preflight import check_fits, check_fits_some
+    from deinfer_megatron.planning.preflight import check_fits
 
     arch, ranks = open_config(job.model, verify=job.verify)  # fail fast, before ranks start
     if job.window > arch.max_positions:
@@ -136,10 +135,7 @@ def evaluate(job: PerplexityJob) -> dict | None:
     if job.max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {job.max_tokens}")
     sizes = dict(tp=job.tp, pp=job.pp, dtype_bytes=4)
-    if job.layout == AUTO:
-        check_fits_some(arch, ranks, CANDIDATES, **sizes)
-    else:
-        check_fits(arch, ranks, job.layout, **sizes)
+    check_fits(arch, ranks, job.layout, **sizes)  # auto: under some candidate, before it is priced
     open_model(job.model, verify=job.verify)
     token_windows(job.model, job.text, job.max_tokens, job.window)
     if job.layout == AUTO and detect() is None:  # under a launcher: resolved in the ranks (_rank)

@@ -123,11 +123,10 @@ def validate(job: GenerateJob, prompt_ids: list[list[int]]) -> None:
     needed = max(map(len, prompt_ids)) + job.max_new_tokens
     slot_length(needed, max_positions=arch.max_positions, bytes_per_token=0, slots=len(prompt_ids), budget_gb=None)
     if job.parallel.layout == AUTO:  # the plan is checked once chosen: here (prepare) or in the ranks
-        from deinfer_megatron.planning.auto import CANDIDATES
-        from deinfer_megatron.planning.preflight import check_fits_some
+        from deinfer_megatron.planning.preflight import check_fits
 
-        check_fits_some(arch, ranks, CANDIDATES, tp=job.parallel.tp, pp=job.parallel.pp,
-                        dtype_bytes=job.dtype.itemsize, kv_tokens=len(prompt_ids) * needed, kv_cache=job.cache.kind)
+        check_fits(arch, ranks, AUTO, tp=job.parallel.tp, pp=job.parallel.pp, dtype_bytes=job.dtype.itemsize,
+                   kv_tokens=len(prompt_ids) * needed, kv_cache=job.cache.kind)
     else:
         check_layout(job, prompt_ids, arch, ranks)
     open_model(job.model, verify=job.verify)  # manifest, shapes

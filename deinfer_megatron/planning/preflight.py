@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable
 
 from deinfer_megatron.arch.model import ModelArch
 from deinfer_megatron.planning.plan import make_plan
+from deinfer_megatron.specs.layout import AUTO
 from deinfer_megatron.specs.rank_config import RankConfig
 
 _GIB = 2**30
@@ -54,9 +54,31 @@ def check_fits(
     """Bytes the ranks on this machine need (weights + KV cache); ValueError if more than
     ``available`` (default: what the machine has now).
 
+    ``layout`` may be ``auto`` before it is priced (the pricing times matrix products at the
+    model's own shapes, so sizes that fit under no layout are refused first): then the job must
+    fit under at least one of ``auto``'s candidates — the first that does is answered, else the
+    first candidate's error — and the chosen plan is checked again once it is known.
+
     ``ranks_here``: ranks sharing this machine (default: ``LOCAL_WORLD_SIZE`` under a launcher
     that sets it, else all ``tp × pp``).
     """
+    sizes = dict(tp=tp, pp=pp, dtype_bytes=dtype_bytes, kv_tokens=kv_tokens, kv_cache=kv_cache,
+                 ranks_here=ranks_here, available=available)
+    if layout != AUTO:
+        return _check_one(arch, rank_config, layout, **sizes)
+    from deinfer_megatron.planning.auto import CANDIDATES
+
+    errors = []
+    for candidate in CANDIDATES:
+        try:
+            return _check_one(arch, rank_config, candidate, **sizes)
+        except ValueError as err:
+            errors.append(err)
+    raise errors[0]
+
+
+def _check_one(arch: ModelArch, rank_config: RankConfig, layout: str, *, tp: int, pp: int, dtype_bytes: int,
+               kv_tokens: int, kv_cache: str, ranks_here: int | None, available: int | None) -> int:
     plan = make_plan(arch, rank_config, layout, tp=tp, pp=pp, dtype_bytes=dtype_bytes)
     kv = plan.totals["kv_bytes_per_token"]["latent" if kv_cache == "latent" else "full"]
     per_rank = plan.totals["params_per_rank"] * dtype_bytes + kv * kv_tokens
@@ -71,20 +93,3 @@ def check_fits(
             f"{arch.num_layers} layers) or spread the job over more machines"
         )
     return need
-
-
-def check_fits_some(arch: ModelArch, rank_config: RankConfig, layouts: Iterable[str], *, tp: int, pp: int,
-                    dtype_bytes: int, kv_tokens: int = 0, kv_cache: str = "full") -> None:
-    """``check_fits`` for a job whose layout is not chosen yet (``--layout auto`` before it is
-    priced): the pricing times matrix products at the model's own shapes, so a config.json whose
-    sizes fit under none of ``layouts`` is refused first, with the first layout's error. The
-    chosen plan is checked again (``check_fits``) once it is known."""
-    errors = []
-    for layout in layouts:
-        try:
-            check_fits(arch, rank_config, layout, tp=tp, pp=pp, dtype_bytes=dtype_bytes,
-                       kv_tokens=kv_tokens, kv_cache=kv_cache)
-            return
-        except ValueError as err:
-            errors.append(err)
-    raise errors[0]
