@@ -196,3 +196,33 @@ def test_core_attention_refuses_what_megatron_may_ask_but_it_cannot_do(keywords,
     with pytest.raises(ValueError, match=message):
         SdpaCoreAttention(config, layer_number=1, num_heads=4, num_kv_heads=2, head_dim=8, **keywords)
     assert SdpaCoreAttention(config, num_heads=4, num_kv_heads=2, head_dim=8, softmax_scale=0.5).scale == 0.5
+
+
+@pytest.mark.parametrize("heads, kv_heads, dv", [(8, 2, 8), (6, 6, 8), (4, 1, 5)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_single_query_attends_as_every_head_on_its_own(heads, kv_heads, dv, padded) -> None:
+    """A decode step's query against its cached keys (the grouped path: the heads of a KV group
+    as one block), against attention written out per head in float64 — with a padding mask
+    that hides different keys per sequence (Megatron's ``[b, 1, 1, sk]``, True = masked) and
+    values of another width than the keys (value absorption's latents)."""
+    b, sk, d = 3, 11, 8
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(1, b, heads, d, generator=gen)
+    k = torch.randn(sk, b, kv_heads, d, generator=gen)
+    v = torch.randn(sk, b, kv_heads, dv, generator=gen)
+    mask = None
+    if padded:
+        mask = torch.zeros(b, 1, 1, sk, dtype=torch.bool)
+        mask[0, ..., :4] = True
+        mask[2, ..., 7:9] = True
+    config = types.SimpleNamespace(softmax_scale=None)
+    got = SdpaCoreAttention(config, num_heads=heads, num_kv_heads=kv_heads, head_dim=d).attend(q, k, v, mask)
+    want = torch.empty(1, b, heads, dv, dtype=torch.float64)
+    for s in range(b):
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            scores = k[:, s, g].double() @ q[0, s, h].double() / math.sqrt(d)
+            if mask is not None:
+                scores = scores.masked_fill(mask[s, 0, 0], float("-inf"))
+            want[0, s, h] = scores.softmax(0) @ v[:, s, g].double()
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
