@@ -169,7 +169,8 @@ class FactoredSelfAttention(MegatronModule):
         """What rank ``tp.rank`` of this block holds, issues per token and caches, without
         building it: the sum of its slots' costs (built with the arguments ``__init__`` gives
         them), and the KV heads the K up factor's row split leaves this rank — all of them
-        when U_k is not split by heads (naive), its own when it is (DeInfer)."""
+        when U_k is not split by heads (naive), its own when it is (DeInfer) — which are also
+        the heads its core attention runs over."""
         args = cls._slot_args(config, ranks)
         slot = {name: _module_class(getattr(submodules, name), name) for name in _SUFFIX}
 
@@ -180,7 +181,10 @@ class FactoredSelfAttention(MegatronModule):
         for name in ("linear_qkv_down", "linear_q_up", "linear_k_up", "linear_v_up"):
             total += slot[name].cost(**args[name], tp=tp)
         total += slot["linear_proj"].cost(**args["linear_proj"], tp=tp, input_span=rows("linear_q_up"))
-        return total + Cost(kv_heads=rows("linear_k_up").size // config.kv_channels)
+        d = config.kv_channels
+        heads, kv_heads = rows("linear_q_up").size // d, rows("linear_k_up").size // d
+        core = _module_class(submodules.core_attention, "core_attention")
+        return total + Cost(kv_heads=kv_heads) + core.cost(heads, kv_heads, d)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict[str, Any]:

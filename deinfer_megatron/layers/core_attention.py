@@ -8,14 +8,21 @@ PyTorch's SDPA (grouped-query attention included) on the ``[s, b, n, d]`` tensor
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+import types
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron.core.transformer.enums import AttnMaskType
+
+from deinfer_megatron.layers.costs import Attend, Cost
+
+SDPA = "sdpa"  # this module's attention
+MEGATRON = "megatron"  # Megatron's DotProductAttention (the dense layout's, Megatron's local spec)
 
 
 class SdpaCoreAttention(nn.Module):
@@ -72,6 +79,11 @@ class SdpaCoreAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = softmax_scale or config.softmax_scale or 1.0 / math.sqrt(head_dim)
         self.layer_number = layer_number
+
+    @classmethod
+    def cost(cls, num_heads: int, num_kv_heads: int, head_dim: int) -> Cost:
+        """The attention a decode token costs a rank with these heads (priced per context)."""
+        return Cost(attends=(Attend(SDPA, num_heads, num_kv_heads, head_dim),))
 
     def attend(
         self,
@@ -136,3 +148,65 @@ def _same_for_every_head(mask: torch.Tensor | None) -> bool:
         return True
     shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
     return mask.dim() <= 4 and shape[1] == 1 and shape[2] == 1
+
+
+# ------------------------------------------------------------------ each core as the cost model times it
+
+
+class _OneRank:
+    """The tensor-parallel group of a core built alone: it holds every head it is given."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+def _sdpa_core(attend: Attend, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    config = types.SimpleNamespace(softmax_scale=None)
+    return SdpaCoreAttention(config, num_heads=attend.heads, num_kv_heads=attend.kv_heads,
+                             head_dim=attend.head_dim)
+
+
+def _megatron_core(attend: Attend, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    """Megatron's ``DotProductAttention`` over exactly ``attend``'s heads: a TP group of one
+    rank holding them, the config flags the project's models use (no fusions, no dropout)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=attend.heads * attend.head_dim, num_attention_heads=attend.heads,
+        num_query_groups=attend.kv_heads, kv_channels=attend.head_dim, hidden_dropout=0.0,
+        attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True, perform_initialization=False, masked_softmax_fusion=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        persist_layer_norm=False, gradient_accumulation_fusion=False)
+    module = DotProductAttention(config, 1, AttnMaskType.causal, "self",
+                                 pg_collection=types.SimpleNamespace(tp=_OneRank()))
+    return lambda q, k, v: module(q, k, v, None)
+
+
+CORES: dict[str, Callable[[Attend, torch.dtype], Callable[..., torch.Tensor]]] = {
+    SDPA: _sdpa_core, MEGATRON: _megatron_core}
+
+
+@contextlib.contextmanager
+def standalone_core(attend: Attend, dtype: torch.dtype) -> Iterator[Callable[..., torch.Tensor]]:
+    """``attend``'s core attention built on its own, called as its block calls it at a decode
+    step: ``(q [1, b, heads, d], k, v [sk, b, kv_heads, d])``. Megatron's needs its global
+    memory buffer (its scores' storage): one is set up where no process group made it, and taken
+    down after, so that a job later initialising its groups in this process starts as without."""
+    from megatron.core import parallel_state
+
+    from deinfer_megatron.patches import apply_all
+
+    apply_all()  # Megatron's buffer allocates on torch.cuda.current_device()
+    made = parallel_state._GLOBAL_MEMORY_BUFFER is None
+    if made:
+        parallel_state._set_global_memory_buffer()
+    try:
+        yield CORES[attend.core](attend, dtype)
+    finally:
+        if made:
+            parallel_state.destroy_global_memory_buffer()

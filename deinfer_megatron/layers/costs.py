@@ -37,6 +37,19 @@ class Gemm(NamedTuple):
         return self.count * self.k * self.n
 
 
+class Attend(NamedTuple):
+    """One rank's attention of a decode token over its cached keys: which core runs it
+    (``core``: the name its module answers to, ``layers.core_attention.CORES``) over how many
+    query and KV heads of ``head_dim``. The cost model times each at the job's batch and context
+    (``calibrate.measure_attention``): the cores differ several-fold at one size (Megatron's
+    unfused ``DotProductAttention`` copies K/V per query head and softmaxes in its own kernels)."""
+
+    core: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
 class Collective(NamedTuple):
     """One collective per token: its kind and element count, as the ledger records them."""
 
@@ -58,6 +71,8 @@ class Cost:
             backward pass issues them in the reverse of this order).
         gemms: the matrix products this rank runs, at its shard's shapes, in forward order
             (what ``planning.cost_model`` prices, one measured shape each).
+        attends: the attention over cached tokens this rank runs per decode token (attention
+            blocks), priced per context by the cost model.
     """
 
     params: int = 0
@@ -65,6 +80,7 @@ class Cost:
     kv_heads: int = 0
     backward: tuple[Collective, ...] = ()
     gemms: tuple[Gemm, ...] = ()
+    attends: tuple[Attend, ...] = ()
 
     def __add__(self, other: "Cost") -> "Cost":
         return Cost(
@@ -73,6 +89,7 @@ class Cost:
             self.kv_heads + other.kv_heads,
             self.backward + other.backward,
             self.gemms + other.gemms,
+            self.attends + other.attends,
         )
 
 

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from deinfer_megatron.layers.costs import Collective, Cost, Gemm, issued
+from deinfer_megatron.layers.core_attention import MEGATRON
+from deinfer_megatron.layers.costs import Attend, Collective, Cost, Gemm, issued
 from deinfer_megatron.parallel import comm
 from deinfer_megatron.parallel.topology import TPView, balanced_split, unit_split
 
@@ -85,7 +86,8 @@ def dense_attention_cost(config: Any, tp: TPView) -> Cost:
     """Megatron's ``SelfAttention`` on rank ``tp.rank``: ``linear_qkv`` column-parallel by heads
     (bias when ``add_qkv_bias`` or ``add_bias_linear``, as Megatron decides), ``linear_proj``
     row-parallel over this rank's query heads with one all-reduce of ``hidden`` (its bias
-    replicated); K/V cached for this rank's KV heads. Backward: one all-reduce of ``hidden``
+    replicated); K/V cached for this rank's KV heads, attended by Megatron's
+    ``DotProductAttention`` over this rank's query heads. Backward: one all-reduce of ``hidden``
     (the gradient of ``linear_qkv``'s replicated input)."""
     h, d = config.hidden_size, config.kv_channels
     q_span = unit_split(config.num_attention_heads, d, tp)
@@ -95,7 +97,8 @@ def dense_attention_cost(config: Any, tp: TPView) -> Cost:
     params = rows * h + (rows if qkv_bias else 0) + h * q_span.size + (h if config.add_bias_linear else 0)
     return Cost(params, issued(tp, Collective("all_reduce", h)), kv_heads=kv_span.size // d,
                 backward=issued(tp, Collective("all_reduce", h)),  # linear_qkv's input gradient
-                gemms=(Gemm(h, rows, transposed=True), Gemm(q_span.size, h, transposed=True)))
+                gemms=(Gemm(h, rows, transposed=True), Gemm(q_span.size, h, transposed=True)),
+                attends=(Attend(MEGATRON, q_span.size // d, kv_span.size // d, d),))
 
 
 def dense_mlp_cost(config: Any, tp: TPView) -> Cost:

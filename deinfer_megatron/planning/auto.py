@@ -15,9 +15,11 @@ layers, the same in every layout (``outside_seconds``: the output layer's GEMM, 
 vocabulary collectives at TP > 1 and the fixed time of embedding, final norm and sampling).
 Not priced: prefill (one step against the decode steps of a generation).
 
-Every matrix product is priced at its own shape (``Cost.gemms``, ``CostTable.matmul_seconds``):
-``required_gemms`` lists what a workload's pricing will ask, so that ``table_for`` has the host
-table measure those shapes (once, cached) before ``choose_layouts`` runs.
+Every matrix product is priced at its own shape (``Cost.gemms``, ``CostTable.matmul_seconds``)
+and every attention over the cache at its core, heads, batch and context (``Cost.attends``,
+``CostTable.attention_seconds``): ``required_gemms`` and ``required_attention`` list what a
+workload's pricing will ask, so that ``table_for`` has the host table measure those (once,
+cached) before ``choose_layouts`` runs.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deinfer_megatron.arch.model import ModelArch, transformer_config
-from deinfer_megatron.layers.costs import Cost, Gemm
+from deinfer_megatron.layers.costs import Attend, Cost, Gemm
 from deinfer_megatron.parallel.topology import TPView
 from deinfer_megatron.planning.cost_model import CostTable
 from deinfer_megatron.planning.plan import block_costs
@@ -53,7 +55,9 @@ class Workload:
 
     @property
     def dtype_bytes(self) -> int:
-        return 2 if self.dtype in ("bfloat16", "float16") else 4
+        from deinfer_megatron.planning.cost_model import dtype_bytes
+
+        return dtype_bytes(self.dtype)
 
 
 @dataclass
@@ -97,12 +101,17 @@ def output_gemm(arch: ModelArch, tp: int) -> Gemm:
     return Gemm(arch.hidden_size, padded_vocab_size(arch.vocab_size, tp) // tp, transposed=True)
 
 
-def block_seconds(table: CostTable, cost: Cost, work: Workload, *, kv_bytes_per_token: int,
+def block_seconds(table: CostTable, cost: Cost, work: Workload, *, latent_bytes_per_token: int | None = None,
                   overhead_s: float = 0.0) -> float:
     """One block's share of a decode step on one rank (``cost_model``'s formula), with its fixed
-    framework time ``overhead_s``."""
+    framework time ``overhead_s``: its attention timed at the workload's context
+    (``CostTable.attention_seconds``), or under the latent cache (``latent_bytes_per_token``,
+    whose K/V are rebuilt from latents) the latents' bytes streamed from memory."""
     t = overhead_s + gemm_seconds(table, work, cost.gemms)
-    t += table.memory_seconds(work.batch * work.context * kv_bytes_per_token)
+    if latent_bytes_per_token is not None:
+        t += table.memory_seconds(work.batch * work.context * latent_bytes_per_token)
+    else:
+        t += sum(table.attention_seconds(work.dtype, a, work.batch, work.context) for a in cost.attends)
     for c in cost.collectives:
         t += table.collective_seconds(c.kind, work.batch * c.elements * work.dtype_bytes)
     return t
@@ -150,11 +159,26 @@ def required_gemms(arch: ModelArch, rank_config: RankConfig, work: Workload) -> 
     return {(g, work.batch) for g in gemms}
 
 
+def required_attention(arch: ModelArch, rank_config: RankConfig, work: Workload) -> set[tuple[Attend, int, int]]:
+    """Every (attend, batch, context) that ``choose_layouts`` prices for ``work`` (none under
+    the latent cache for the layouts that keep it: their attention is priced by its bytes)."""
+    config = transformer_config(arch, tp=work.tp, pp=1)
+    out: set[tuple[Attend, int, int]] = set()
+    for ranks in {repr(r): r for r in rank_config.layers}.values():
+        for layout in CANDIDATES:
+            if work.latent_cache and ranks.attention is not None and layout.supports_latent_cache:
+                continue
+            for rank in range(work.tp):
+                out.update((a, work.batch, work.context) for a in layout_costs(config, layout, ranks, TPView(rank, work.tp))[0].attends)
+    return out
+
+
 def table_for(arch: ModelArch, rank_config: RankConfig, work: Workload) -> CostTable:
-    """This host's cached table with every shape ``work``'s pricing needs measured."""
+    """This host's cached table with every shape and attention ``work``'s pricing needs measured."""
     from deinfer_megatron.planning.cost_model import host_table
 
-    return host_table(tp=work.tp, gemms=required_gemms(arch, rank_config, work), dtype=work.dtype)
+    return host_table(tp=work.tp, gemms=required_gemms(arch, rank_config, work),
+                      attention=required_attention(arch, rank_config, work), dtype=work.dtype)
 
 
 def choose_layouts(arch: ModelArch, rank_config: RankConfig, work: Workload, table: CostTable) -> AutoChoice:
@@ -173,12 +197,13 @@ def choose_layouts(arch: ModelArch, rank_config: RankConfig, work: Workload, tab
             for rank in range(work.tp):
                 costs = layout_costs(config, layout, ranks, TPView(rank, work.tp))
                 latent = work.latent_cache and attn is not None and layout.supports_latent_cache
-                kv = (attn.k + attn.v if latent else 2 * costs[0].kv_heads * arch.head_dim) * work.dtype_bytes
-                for b, cost, kv_b, model_ranks in zip(BLOCKS, costs, (kv, 0), (ranks.attention, ranks.mlp)):
+                latent_bytes = (attn.k + attn.v) * work.dtype_bytes if latent else None
+                for b, cost, model_ranks in zip(BLOCKS, costs, (ranks.attention, ranks.mlp)):
                     built = layout if model_ranks is not None else Layout.DENSE  # a dense block stays dense
                     fixed = table.block_overhead(work.tp, built.value, b)
-                    worst[b] = max(worst[b], block_seconds(table, cost, work, kv_bytes_per_token=kv_b,
-                                                           overhead_s=fixed))
+                    worst[b] = max(worst[b], block_seconds(
+                        table, cost, work, latent_bytes_per_token=latent_bytes if b == "attention" else None,
+                        overhead_s=fixed))
             for b, block_ranks in zip(BLOCKS, (ranks.attention, ranks.mlp)):
                 if _allowed(layout, b, block_ranks, arch, work):
                     layer[b][layout.value] = worst[b]

@@ -18,6 +18,8 @@ its weights from memory, as a decode step does (a model's weights on one rank ou
 last-level cache, which two ranks also share): the weights are views at successive offsets of a
 pool larger than the last-level cache, so a view was last touched a whole pool ago. The pool is
 filled once per call of ``measure_shapes``; each (shape, rows) then costs two passes over it.
+The attention over a decode step's cache is timed alike (``measure_attention``): each core as
+its block calls it, K/V views cycled through a pool past the last-level cache.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from deinfer_megatron.layers.costs import Gemm
+from deinfer_megatron.layers.costs import Attend, Gemm
 from deinfer_megatron.planning.cost_model import GEMM_DTYPES, CostTable, TableKey
 
 GEMM_TOKENS = (1, 8, 64, 256)
@@ -184,6 +186,42 @@ def measure_shapes(dtype: str, needs: Iterable[tuple[Gemm, int]], *, threads: in
     out: dict[Gemm, list[list[float]]] = {}
     for (gemm, rows), seconds in sorted(best.items()):
         out.setdefault(gemm, []).append([float(rows), seconds])
+    return out
+
+
+def measure_attention(dtype: str, cases: Iterable[tuple[Attend, int, int]], *,
+                      threads: int) -> dict[Attend, list[list[float]]]:
+    """Per attend, ``[batch, context, seconds]`` of each (attend, batch, context): one decode
+    token's attention through the real core (``layers.core_attention.standalone_core``) over
+    K/V views ``[context, batch, kv_heads, d]`` of a pool 1.5 times the last-level cache (at most
+    ``MAX_CALLS`` views, two at least), the fastest of ``ROUNDS`` passes' means."""
+    from deinfer_megatron.layers.core_attention import standalone_core
+
+    torch.set_num_threads(threads)
+    t = getattr(torch, dtype)
+    elem = torch.empty((), dtype=t).element_size()
+    out: dict[Attend, list[list[float]]] = {}
+    with torch.no_grad():
+        for attend, batch, context in sorted(set(cases)):
+            half = context * batch * attend.kv_heads * attend.head_dim  # K (or V) of one call
+            copies = max(2, min(MAX_CALLS, 3 * last_level_cache_bytes() // (2 * 2 * half * elem),
+                                MAX_POOL // (2 * half * elem)))
+            pool = torch.empty(copies * 2 * half, dtype=t).uniform_(-1.0, 1.0)
+            shape = (context, batch, attend.kv_heads, attend.head_dim)
+            views = [(pool[(2 * i) * half:(2 * i + 1) * half].view(shape),
+                      pool[(2 * i + 1) * half:(2 * i + 2) * half].view(shape)) for i in range(copies)]
+            q = torch.randn(1, batch, attend.heads, attend.head_dim).to(t)
+            best = float("inf")
+            with standalone_core(attend, t) as core:
+                for k, v in views[-2:]:
+                    core(q, k, v)  # warm-up on the pass's last views: its first are the least recent
+                for _ in range(ROUNDS):
+                    start = time.perf_counter()
+                    for k, v in views:
+                        core(q, k, v)
+                    best = min(best, (time.perf_counter() - start) / len(views))
+            out.setdefault(attend, []).append([float(batch), float(context), best])
+            del pool, views
     return out
 
 

@@ -8,7 +8,8 @@ into seconds for a decode step of ``batch`` sequences at ``context`` cached toke
 
     t(block) = Σ over the block's matrix products on this rank (``Cost.gemms``: k × n at its
                  shard's shape) of their measured time at batch rows, weights read from memory
-             + KV bytes read by attention / memory bandwidth        (attention blocks)
+             + the attention over the cached tokens, timed per core, heads, batch and context
+               (``Cost.attends``; ``calibrate.measure_attention``)       (attention blocks)
              + Σ collectives (latency + batch · elements · dtype bytes / bandwidth)
              + the block's fixed framework time (per layout and block kind, at this TP size)
 
@@ -30,6 +31,13 @@ one GEMM of a block's parameters at rates of cached square matrices said a step 
 with batch, while at batch 8 a CPU GEMM of weights from memory is compute-bound at ~22 GFLOP/s
 and the step nearly doubles. A shape the table lacks (an injected table) falls back to the
 square grid: max(FLOPs / grid rate, weight bytes / memory bandwidth).
+
+The attention over a long cache is timed the same way, per (core, heads) at the job's batch and
+context (``attention``), because its price is not its bytes: on the development machine, at 2048
+cached tokens, batch 8, 16 query heads on 4 KV heads (fp32), this project's attention took
+4.5-6.4 ms and Megatron's unfused ``DotProductAttention`` (which copies K/V once per query
+head) 78-116 ms, where their 34 MB of K/V at the measured ~10 GB/s say 3.4 ms. Without a timing (an injected table, the latent cache's rebuilt K/V) the
+attention is priced as its K/V bytes streamed from memory.
 """
 
 from __future__ import annotations
@@ -43,11 +51,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from deinfer_megatron.layers.costs import Gemm
+from deinfer_megatron.layers.costs import Attend, Gemm
 
 log = logging.getLogger(__name__)
 
-FORMAT = 4  # 2: framework overhead per TP size; 3: matrix products timed per shape; 4: collectives and fixed times with cold caches. Bump when the table's fields or their meaning change: older caches are ignored
+FORMAT = 5  # 2: framework overhead per TP size; 3: matrix products timed per shape; 4: collectives and fixed times with cold caches; 5: attention timed per context (and left out of the fixed times). Bump when the table's fields or their meaning change: older caches are ignored
 GEMM_DTYPES = ("float32", "bfloat16")
 
 
@@ -108,6 +116,9 @@ class CostTable:
             layers (``planning.overhead``). A TP size without an entry is priced at zero.
         shapes: ``shape_key(dtype, gemm)`` → rows ``[batch rows, seconds]`` (ascending rows) of
             that matrix product with its weights read from memory (``calibrate.measure_shapes``).
+        attention: ``attention_key(dtype, attend)`` → rows ``[batch, context, seconds]`` of one
+            decode token's attention per sequence over ``context`` cached tokens, K/V read from
+            memory (``calibrate.measure_attention``; batch as ``attention_batch`` caps it).
     """
 
     key: TableKey
@@ -116,6 +127,7 @@ class CostTable:
     collectives: dict[str, list[float]] = field(default_factory=dict)
     overhead: dict[str, dict[str, Any]] = field(default_factory=dict)
     shapes: dict[str, list[list[float]]] = field(default_factory=dict)
+    attention: dict[str, list[list[float]]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,7 +138,9 @@ class CostTable:
                    float(doc["memory_bytes_per_s"]),
                    {k: [float(v[0]), float(v[1])] for k, v in doc.get("collectives", {}).items()},
                    {tp: _overhead_from_json(o) for tp, o in doc.get("overhead", {}).items()},
-                   {k: sorted([float(m), float(t)] for m, t in v) for k, v in doc.get("shapes", {}).items()})
+                   {k: sorted([float(m), float(t)] for m, t in v) for k, v in doc.get("shapes", {}).items()},
+                   {k: sorted([float(b), float(c), float(t)] for b, c, t in v)
+                    for k, v in doc.get("attention", {}).items()})
 
     # ------------------------------------------------------------------ predictions
 
@@ -148,13 +162,31 @@ class CostTable:
         measured = self.shapes.get(shape_key(dtype, gemm))
         if measured:
             return shape_seconds(measured, rows)
-        nbytes = gemm.weights * (2 if dtype in ("bfloat16", "float16") else 4)
+        nbytes = gemm.weights * dtype_bytes(dtype)
         return max(self.gemm_seconds(dtype, rows, gemm.weights), self.memory_seconds(nbytes))
 
     def missing_shapes(self, dtype: str, needs: Iterable[tuple[Gemm, int]]) -> set[tuple[Gemm, int]]:
         """The (shape, rows) of ``needs`` this table has not measured."""
         have = {(k, int(m)) for k, rows in self.shapes.items() for m, _ in rows}
         return {(g, m) for g, m in needs if (shape_key(dtype, g), m) not in have}
+
+    def attention_seconds(self, dtype: str, attend: Attend, batch: int, context: int) -> float:
+        """One decode step's ``attend`` for ``batch`` sequences over ``context`` cached tokens:
+        its timing at (``attention_batch``, ``context``), scaled by the batch (each sequence reads
+        its own K/V); untimed, the K/V bytes streamed from memory."""
+        if batch <= 0 or context <= 0:
+            return 0.0
+        timed = attention_batch(dtype, attend, batch, context)
+        for b, c, seconds in self.attention.get(attention_key(dtype, attend), ()):
+            if (int(b), int(c)) == (timed, context):
+                return seconds * batch / timed
+        return self.memory_seconds(batch * context * 2 * attend.kv_heads * attend.head_dim * dtype_bytes(dtype))
+
+    def missing_attention(self, dtype: str, needs: Iterable[tuple[Attend, int, int]]) -> set[tuple[Attend, int, int]]:
+        """The (attend, timed batch, context) of ``needs`` (each as ``attention_batch`` times it)
+        this table has not measured."""
+        have = {(k, int(b), int(c)) for k, rows in self.attention.items() for b, c, _ in rows}
+        return {(a, b, c) for a, b, c in attention_cases(dtype, needs) if (attention_key(dtype, a), b, c) not in have}
 
     def memory_seconds(self, nbytes: float) -> float:
         return nbytes / self.memory_bytes_per_s if nbytes > 0 else 0.0
@@ -181,6 +213,31 @@ class CostTable:
 def shape_key(dtype: str, gemm: Gemm) -> str:
     """``float32:2048x717x1`` (``T`` appended for a weight stored ``(n, k)``)."""
     return f"{dtype}:{gemm.k}x{gemm.n}x{gemm.count}{'T' if gemm.transposed else ''}"
+
+
+def attention_key(dtype: str, attend: Attend) -> str:
+    """``float32:sdpa:16/4x64`` (core, query heads / KV heads × head dim)."""
+    return f"{dtype}:{attend.core}:{attend.heads}/{attend.kv_heads}x{attend.head_dim}"
+
+
+ATTENTION_COPY_BYTES = 128 << 20  # K/V of one timed attention call at most; larger batches are scaled
+
+
+def dtype_bytes(dtype: str) -> int:
+    return 2 if dtype in ("bfloat16", "float16") else 4
+
+
+def attention_batch(dtype: str, attend: Attend, batch: int, context: int) -> int:
+    """The batch at which ``attend`` is timed for ``batch`` sequences at ``context``: the job's
+    own, or fewer where their K/V would exceed ``ATTENTION_COPY_BYTES`` (an eval-ppl window
+    priced as a decode step of batch × window rows) — the time is then scaled by the batch."""
+    per_sequence = 2 * context * attend.kv_heads * attend.head_dim * dtype_bytes(dtype)
+    return max(1, min(batch, ATTENTION_COPY_BYTES // max(1, per_sequence)))
+
+
+def attention_cases(dtype: str, needs: Iterable[tuple[Attend, int, int]]) -> set[tuple[Attend, int, int]]:
+    """The (attend, batch, context) timings that price ``needs`` (``attention_batch``)."""
+    return {(a, attention_batch(dtype, a, b, c), c) for a, b, c in needs}
 
 
 def shape_seconds(rows: list[list[float]], m: float) -> float:
@@ -289,12 +346,30 @@ def with_shapes(table: CostTable, dtype: str, needs: Iterable[tuple[Gemm, int]])
     return replace(table, shapes=shapes)
 
 
+def with_attention(table: CostTable, dtype: str, needs: Iterable[tuple[Attend, int, int]]) -> CostTable:
+    """``table`` with every (attend, batch, context) of ``needs`` timed (only those it lacks)."""
+    from dataclasses import replace
+
+    missing = table.missing_attention(dtype, needs)
+    if not missing:
+        return table
+    from deinfer_megatron.planning.calibrate import measure_attention
+
+    attention = {k: list(v) for k, v in table.attention.items()}
+    for attend, rows in measure_attention(dtype, missing, threads=table.key.threads).items():
+        key = attention_key(dtype, attend)
+        attention[key] = sorted(attention.get(key, []) + rows)
+    return replace(table, attention=attention)
+
+
 def host_table(*, tp: int, threads: int | None = None, root: Path | None = None,
-               gemms: Iterable[tuple[Gemm, int]] = (), dtype: str = "float32") -> CostTable:
+               gemms: Iterable[tuple[Gemm, int]] = (), attention: Iterable[tuple[Attend, int, int]] = (),
+               dtype: str = "float32") -> CostTable:
     """This host's table: the cached one if its key matches, else a fresh calibration (seconds),
     cached for the next job. ``tp`` > 1 needs the collectives measured too, every TP size its
     framework overhead (``planning.overhead``, measured once per TP size on ``tp`` local ranks),
-    and every (shape, batch rows) of ``gemms`` in ``dtype`` its time (``with_shapes``)."""
+    every (shape, batch rows) of ``gemms`` in ``dtype`` its time (``with_shapes``) and every
+    (attend, batch, context) of ``attention`` its time (``with_attention``)."""
     from dataclasses import replace
 
     from deinfer_megatron.planning.calibrate import calibrate
@@ -302,25 +377,27 @@ def host_table(*, tp: int, threads: int | None = None, root: Path | None = None,
     key = TableKey.current(threads)
     path = cache_path(key, root)
     table = load_cached(path, key)
-    gemms = list(gemms)
+    gemms, attention = list(gemms), list(attention)
     if (table is not None and (tp == 1 or table.collectives) and str(tp) in table.overhead
-            and not table.missing_shapes(dtype, gemms)):
+            and not table.missing_shapes(dtype, gemms) and not table.missing_attention(dtype, attention)):
         return table
     log.info("measuring this machine's cost table once (%s; up to tens of seconds), "
-             "cached in %s", ", ".join(_to_measure(table, tp, dtype, gemms)), path)
+             "cached in %s", ", ".join(_to_measure(table, tp, dtype, gemms, attention)), path)
     if table is None or (tp > 1 and not table.collectives):
         table = calibrate(key, collectives=tp > 1)
     if str(tp) not in table.overhead:
-        from deinfer_megatron.planning.overhead import measure_overhead, required_gemms
+        from deinfer_megatron.planning.overhead import measure_overhead, required_attention, required_gemms
 
         table = with_shapes(table, "float32", required_gemms(tp))  # what its fit prices
+        table = with_attention(table, "float32", required_attention(tp))
         table = replace(table, overhead={**table.overhead, str(tp): measure_overhead(table, tp)})
-    table = with_shapes(table, dtype, gemms)
+    table = with_attention(with_shapes(table, dtype, gemms), dtype, attention)
     save(table, path)
     return table
 
 
-def _to_measure(table: CostTable | None, tp: int, dtype: str, gemms: list[tuple[Gemm, int]]) -> list[str]:
+def _to_measure(table: CostTable | None, tp: int, dtype: str, gemms: list[tuple[Gemm, int]],
+                attention: list[tuple[Attend, int, int]]) -> list[str]:
     """What ``host_table`` is about to measure, as the user reads it: the one line said before
     the pause, where the command would otherwise sit silent through a calibration."""
     parts = []
@@ -331,4 +408,7 @@ def _to_measure(table: CostTable | None, tp: int, dtype: str, gemms: list[tuple[
     shapes = len(set(gemms)) if table is None else len(table.missing_shapes(dtype, gemms))
     if shapes:
         parts.append(f"{shapes} matrix product shape{'s' if shapes != 1 else ''} of this job")
+    attends = len(attention_cases(dtype, attention) if table is None else table.missing_attention(dtype, attention))
+    if attends:
+        parts.append(f"{attends} attention case{'s' if attends != 1 else ''} at this job's context")
     return parts

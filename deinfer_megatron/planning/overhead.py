@@ -15,7 +15,7 @@ real model's block follows one that streamed its weights (``BlockTimer``). Per s
 - the outside is the step minus its layers (embedding, final norm, output layer, sampling, loop).
 
 Each is the median over the decode steps (the statistic ``bench`` reports), the slowest rank's.
-From each the cost model's own price at that size is taken away (GEMM, KV reads, collectives'
+From each the cost model's own price at that size is taken away (GEMM, attention, collectives'
 latency and bandwidth: ``planning.auto``), and the remainder is extrapolated linearly in the
 block's parameters per rank to zero size — what is left at no size at all is the fixed cost. It
 is clamped to [0, the larger remainder], as a busy machine can make the line slope down.
@@ -193,6 +193,25 @@ def required_gemms(tp: int) -> set[tuple[Any, int]]:
     return out
 
 
+def required_attention(tp: int) -> set[tuple[Any, int, int]]:
+    """The attention (batch 1, the fit's context) that ``fit`` prices for both sizes: timed, so
+    that the fixed times are what is left beside the attention the cost model times."""
+    from deinfer_megatron.planning.auto import required_attention as plan_attention
+
+    out: set[tuple[Any, int, int]] = set()
+    for size in SIZES:
+        arch, rank_config, _ = _model(size)
+        out |= plan_attention(arch, rank_config, _fit_workload(tp))
+    return out
+
+
+def _fit_workload(tp: int) -> Any:
+    """The step ``fit`` prices: batch 1 at the middle of the timed decode's context."""
+    from deinfer_megatron.planning.auto import Workload
+
+    return Workload(tp=tp, batch=1, context=PROMPT + NEW_TOKENS // 2)
+
+
 def _layouts(tp: int) -> tuple[str, ...]:
     from deinfer_megatron.planning.auto import CANDIDATES
 
@@ -211,12 +230,12 @@ def fit(table: CostTable, tp: int, measured: dict[str, dict[str, float]]) -> dic
     measured parts (the slowest rank's), less the table's own price at each size."""
     from deinfer_megatron.arch.model import transformer_config
     from deinfer_megatron.parallel.topology import TPView
-    from deinfer_megatron.planning.auto import BLOCKS, Workload, choose_layouts, outside_seconds
+    from deinfer_megatron.planning.auto import BLOCKS, choose_layouts, outside_seconds
     from deinfer_megatron.planning.plan import block_costs
     from deinfer_megatron.specs.layout import BlockLayouts, Layout
 
     base = replace(table, overhead={})
-    work = Workload(tp=tp, batch=1, context=PROMPT + NEW_TOKENS // 2)
+    work = _fit_workload(tp)
     layouts = sorted({k.split("/")[1] for k in measured})
     residual: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for s, size in enumerate(SIZES):

@@ -122,7 +122,8 @@ def auto_and_peers(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess,
     arch = synthetic_arch("llama-tiny")
     table = with_free_shapes(cost_model.CostTable(key, table.gemm, table.memory_bytes_per_s, table.collectives,
                                                   zero_overhead(2)),
-                             arch, RankConfig.from_mapping(uniform_ranks(arch, 0.6), arch), tp=2, batches=(2,))
+                             arch, RankConfig.from_mapping(uniform_ranks(arch, 0.6), arch), tp=2, batches=(2,),
+                             contexts=(128 + GEN_LEN,))  # the default --prompt-len
     cost_model.save(table, cost_model.cache_path(key, tmp_path / "cache" / "cost_model"))
     proc = subprocess.run([*CLI, "--synthetic", "llama-tiny", "--tp", "2", "--batch", "2", "--gen-len", str(GEN_LEN),
                            "--repeats", "1", "--layouts", "auto,deinfer", "--peers", "hf,deepspeed",

@@ -33,7 +33,8 @@ def profiled(tmp_path_factory) -> tuple[dict, str, cost_model.CostTable]:
     key = cost_model.TableKey.current(1)
     table = cost_model.CostTable(key, planted.gemm, planted.memory_bytes_per_s, planted.collectives, planted.overhead)
     arch = synthetic_arch("llama-tiny")  # matrix products free, as the planted grid prices them
-    table = with_free_shapes(table, arch, RankConfig.from_mapping(uniform_ranks(arch, 0.6), arch), tp=2, batches=(2,))
+    table = with_free_shapes(table, arch, RankConfig.from_mapping(uniform_ranks(arch, 0.6), arch), tp=2, batches=(2,),
+                             contexts=(128 + 3,))  # the default --prompt-len and this run's --gen-len
     cost_model.save(table, cost_model.cache_path(key, tmp / "cache" / "cost_model"))
     proc = subprocess.run([*CLI, "--synthetic", "llama-tiny", "--tp", "2", "--batch", "2", "--gen-len", "3",
                            "--repeats", "1", "--layouts", "naive,deinfer", "--profile", "--predict",

@@ -58,7 +58,11 @@ def test_json_output_in_the_default_layout(models, tmp_path: Path) -> None:
 
     arch, ranks = open_config(models["dec"], verify=False)
     assert all(layer.decomposed for layer in ranks.layers), "every block has a layout to choose"
-    table = favouring("naive", arch, ranks, tp=2, batches=(len(PROMPTS),))
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(models["dec"])
+    context = max(len(tok(p)["input_ids"]) for p in PROMPTS) + 6  # as the job prices it: prompt + new
+    table = favouring("naive", arch, ranks, tp=2, batches=(len(PROMPTS),), contexts=(context,))
     cached = cost_model.cache_path(table.key, tmp_path / "cost_model")
     cost_model.save(table, cached)
     before = cached.read_bytes()

@@ -45,25 +45,51 @@ def fake_measure_shapes(dtype: str, needs, *, threads: int) -> dict:
     return out
 
 
-def with_free_shapes(table: CostTable, arch, rank_config, *, tp: int, batches) -> CostTable:
-    """``table`` with every matrix product a plan of ``arch`` at these batch sizes prices planted
-    at zero seconds, so that ``host_table`` finds it complete (a bench run planted with it
-    measures no shapes) and only what the table itself prices costs time."""
+def fake_measure_attention(dtype: str, cases, *, threads: int) -> dict:
+    """A stand-in for ``calibrate.measure_attention``: a nanosecond per cached token per sequence."""
+    out: dict = {}
+    for attend, batch, context in cases:
+        out.setdefault(attend, []).append([float(batch), float(context), 1e-9 * batch * context])
+    return out
+
+
+def free_attention(arch, rank_config, work) -> dict[str, list[list[float]]]:
+    """``CostTable.attention`` rows at zero seconds for every attention ``work``'s plan prices."""
+    from deinfer_megatron.planning.auto import required_attention
+    from deinfer_megatron.planning.cost_model import attention_cases, attention_key
+
+    out: dict[str, list[list[float]]] = {}
+    for a, b, c in attention_cases(work.dtype, required_attention(arch, rank_config, work)):
+        out.setdefault(attention_key(work.dtype, a), []).append([float(b), float(c), 0.0])
+    return out
+
+
+def with_free_shapes(table: CostTable, arch, rank_config, *, tp: int, batches, contexts) -> CostTable:
+    """``table`` with every matrix product and attention a plan of ``arch`` at these batch sizes
+    and contexts (prompt + new tokens, as the command prices them) prices planted at zero
+    seconds, so that ``host_table`` finds it complete (a run planted with it measures nothing)
+    and only what the table itself prices costs time."""
     from dataclasses import replace
 
     from deinfer_megatron.planning.auto import Workload, required_gemms
     from deinfer_megatron.planning.cost_model import shape_key
 
-    shapes = dict(table.shapes)
+    shapes, attention = dict(table.shapes), dict(table.attention)
     for b in batches:
-        for g, m in required_gemms(arch, rank_config, Workload(tp=tp, batch=b)):
-            shapes.setdefault(shape_key("float32", g), []).append([float(m), 0.0])
-    return replace(table, shapes={k: sorted(v) for k, v in shapes.items()})
+        for c in contexts:
+            work = Workload(tp=tp, batch=b, context=c)
+            for g, m in required_gemms(arch, rank_config, work):
+                shapes.setdefault(shape_key("float32", g), []).append([float(m), 0.0])
+            for k, rows in free_attention(arch, rank_config, work).items():
+                attention.setdefault(k, []).extend(rows)
+    return replace(table, shapes={k: sorted(v) for k, v in shapes.items()},
+                   attention={k: sorted(v) for k, v in attention.items()})
 
 
-def favouring(layout: str, arch, rank_config, *, tp: int, batches) -> CostTable:
+def favouring(layout: str, arch, rank_config, *, tp: int, batches, contexts) -> CostTable:
     """This host's key (one thread) with a table where only the blocks' fixed framework time
-    costs anything, and nothing in ``layout``; every shape a plan at ``batches`` prices planted
+    costs anything, and nothing in ``layout``; every shape and attention a plan at ``batches``
+    and ``contexts`` prices planted
     (``with_free_shapes``). Saved under a ``DEINFER_MEGATRON_CACHE`` it makes a real command's
     ``--layout auto`` choose ``layout`` wherever it may, without measuring anything."""
     from deinfer_megatron.planning.cost_model import TableKey
@@ -71,4 +97,4 @@ def favouring(layout: str, arch, rank_config, *, tp: int, batches) -> CostTable:
     blocks = {l: {b: (0.0 if l == layout else 1.0) for b in ("attention", "mlp")} for l in ("deinfer", "naive", "dense")}
     table = CostTable(TableKey.current(1), _gemm(FREE), FREE, {"all_reduce": [0.0, FREE], "all_gather": [0.0, FREE]},
                       {str(tp): {"blocks": blocks, "layer": 0.0, "outside": 0.0}})
-    return with_free_shapes(table, arch, rank_config, tp=tp, batches=batches)
+    return with_free_shapes(table, arch, rank_config, tp=tp, batches=batches, contexts=contexts)

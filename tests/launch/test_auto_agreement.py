@@ -46,7 +46,7 @@ def planted(tmp_path_factory) -> dict:
     context = max(len(tok(p)["input_ids"]) for p in PROMPTS) + NEW_TOKENS
     plans, files = [], []
     for rank, layout in enumerate(("naive", "deinfer")):
-        table = favouring(layout, arch, ranks, tp=2, batches=(len(PROMPTS),))
+        table = favouring(layout, arch, ranks, tp=2, batches=(len(PROMPTS),), contexts=(context,))
         work = Workload(tp=2, batch=len(PROMPTS), context=context)
         plans.append(choose_layouts(arch, ranks, work, table).plan.to_json())
         if rank == 1:  # one shape short: a rank pricing its own plan would measure it and rewrite the file

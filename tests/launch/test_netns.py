@@ -121,7 +121,7 @@ def test_auto_across_namespaces_prices_the_jobs_own_link(tmp_path) -> None:
     from deinfer_megatron.checkpoints.folder import open_config
     from deinfer_megatron.planning import cost_model
     from deinfer_megatron.planning.auto import Workload, choose_layouts, required_gemms
-    from tests.helpers.cost_tables import FREE, _gemm
+    from tests.helpers.cost_tables import FREE, _gemm, free_attention
 
     model, ids, expected = _model_and_hf_tokens(tmp_path)
     arch, ranks = open_config(model, verify=False)
@@ -131,7 +131,8 @@ def test_auto_across_namespaces_prices_the_jobs_own_link(tmp_path) -> None:
               for g, m in required_gemms(arch, ranks, work)}
     table = cost_model.CostTable(cost_model.TableKey.current(1), _gemm(FREE), FREE,
                                  {"all_reduce": [0.0, FREE], "all_gather": [0.0, FREE]},
-                                 {"2": {"blocks": blocks, "layer": 0.0, "outside": 0.0}}, shapes)  # dense out of the race
+                                 {"2": {"blocks": blocks, "layer": 0.0, "outside": 0.0}}, shapes,  # dense out of the race
+                                 free_attention(arch, ranks, work))
     cost_model.save(table, cost_model.cache_path(table.key, tmp_path / "cache0" / "cost_model"))
     local = choose_layouts(arch, ranks, work, table).plan
     assert {b.mlp.value for b in local.layers} == {"naive"}, "free local collectives must favour naive MLPs"

@@ -21,6 +21,9 @@ from deinfer_megatron.arch.model import arch_from_hf_config, transformer_config
 from deinfer_megatron.arch.ranks import AttentionRanks, MlpRanks
 from deinfer_megatron.layers import factors
 from deinfer_megatron.layers.attention import FactoredSelfAttention
+from deinfer_megatron.layers.core_attention import MEGATRON, SDPA, SdpaCoreAttention
+from deinfer_megatron.layers.costs import Attend
+from deinfer_megatron.layers.dense import dense_attention_cost
 from deinfer_megatron.layers.factored_linear import factored_mlp_cost
 from deinfer_megatron.parallel.topology import TPView
 from deinfer_megatron.specs.builder import factored_attention_submodules
@@ -79,9 +82,13 @@ def test_attention_cost_is_what_the_block_allocates_and_issues(family, layout, t
         for p in block.parameters():  # storage is empty; any values will do
             torch.nn.init.normal_(p)
         fake_comm.clear()
+        attended = []  # (core's name, query heads, KV heads, head dim) of each core attention call
+        block.core_attention.register_forward_pre_hook(
+            lambda m, args: attended.append(Attend(SDPA, args[0].shape[2], args[1].shape[2], args[0].shape[3])))
         block(x)  # no RoPE: OPT-style; collectives do not depend on positions
         assert cost.params == _params(block), (family, layout, k)
         assert cost.kv_heads == block.num_kv_heads, (family, layout, k)
+        assert type(block.core_attention) is SdpaCoreAttention and list(cost.attends) == attended, (family, layout, k)
         assert list(cost.collectives) == fake_comm, (family, layout, k)
 
 
@@ -111,3 +118,13 @@ def test_mlp_cost_is_what_megatrons_mlp_allocates(family, layout, tp, fake_comm,
         assert cost.params == _params(block), (family, layout, k)
         assert cost.kv_heads == 0
         assert list(cost.collectives) == fake_comm, (family, layout, k)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dense_attention_is_megatrons_over_this_ranks_heads(tp) -> None:
+    """Megatron's ``DotProductAttention`` divides the query heads and the query groups by the TP
+    size (``num_attention_heads_per_partition``, ``num_query_groups_per_partition``)."""
+    cfg = _config("llama", tp)
+    cost = dense_attention_cost(cfg, TPView(0, tp))
+    assert cost.attends == (Attend(MEGATRON, cfg.num_attention_heads // tp, cfg.num_query_groups // tp,
+                                   cfg.kv_channels),)

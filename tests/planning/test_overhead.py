@@ -17,7 +17,7 @@ from deinfer_megatron.planning.auto import Workload, choose_layouts
 from deinfer_megatron.planning.cost_model import TableKey, cache_path, load_cached
 from deinfer_megatron.specs.layout import Layout
 from deinfer_megatron.specs.rank_config import RankConfig
-from tests.helpers.cost_tables import elements_only, fake_measure_shapes, latency_only, params_only, zero_overhead
+from tests.helpers.cost_tables import elements_only, fake_measure_attention, fake_measure_shapes, latency_only, params_only, zero_overhead
 from tests.planning.test_auto import ATTN, CFG, MLP, _ranks, expected_by_elements
 
 LAT = 1e-4  # every collective's latency
@@ -114,13 +114,16 @@ def test_cache_of_the_previous_format_is_ignored(tmp_path, monkeypatch) -> None:
     del old["overhead"]
     path = cache_path(key, tmp_path)
     path.write_text(json.dumps(old))
-    assert cost_model.FORMAT == 4 and load_cached(path, key) is None
-    # nor is a complete format-3 table: its collectives and fixed times were timed with hot caches
-    hot = cache_path(key, tmp_path / "hot")
-    cost_model.save(replace(params_only(), key=replace(key, format=3), overhead=zero_overhead(2)), hot)
-    assert load_cached(hot, key) is None
+    assert cost_model.FORMAT == 5 and load_cached(path, key) is None
+    # nor is a complete format-3 table (its collectives and fixed times were timed with hot
+    # caches) or format-4 one (its fixed times hold the attention, now timed on its own)
+    for old_format in (3, 4):
+        stale = cache_path(key, tmp_path / f"format{old_format}")
+        cost_model.save(replace(params_only(), key=replace(key, format=old_format), overhead=zero_overhead(2)), stale)
+        assert load_cached(stale, key) is None
     measured = []
     monkeypatch.setattr("deinfer_megatron.planning.calibrate.measure_shapes", fake_measure_shapes)
+    monkeypatch.setattr("deinfer_megatron.planning.calibrate.measure_attention", fake_measure_attention)
     monkeypatch.setattr("deinfer_megatron.planning.calibrate.calibrate",
                         lambda k, *, collectives: replace(params_only(), key=k))
     monkeypatch.setattr("deinfer_megatron.planning.overhead.measure_overhead",
