@@ -110,13 +110,16 @@ def _rank(job: PerplexityJob) -> dict:
 def auto_plan_for(job: PerplexityJob, collectives: dict[str, list[float]] | None = None) -> LayoutPlan:
     """The cost model's plan for ``job`` from this host's cost table. A perplexity pass is one
     forward of batch × window tokens: priced as that many tokens through the weights, each
-    attending to about a window of context."""
+    attending to about a window of context; among the plans whose weights fit this machine
+    where one does (``planning.auto.within_memory``)."""
     from deinfer_megatron.checkpoints.folder import open_config
+    from deinfer_megatron.planning import preflight
     from deinfer_megatron.planning.auto import Workload, auto_plan
 
     arch, ranks = open_config(job.model, verify=False)  # evaluate() verifies
     work = Workload(tp=job.tp, batch=job.batch * job.window, context=job.window)
-    return auto_plan(arch, ranks, work, collectives=collectives).plan
+    return auto_plan(arch, ranks, work, collectives=collectives,
+                     fits=lambda plan: preflight.fits(arch, ranks, plan, tp=job.tp, pp=job.pp, dtype_bytes=4)).plan
 
 
 def evaluate(job: PerplexityJob) -> dict | None:

@@ -276,15 +276,20 @@ def auto_plan_for(job: GenerateJob, prompt_ids: list[list[int]],
                   collectives: dict[str, list[float]] | None = None) -> Any:
     """The cost model's plan for ``job``'s batch (the prompts) and context (the longest prompt
     plus the new tokens), from this host's cost table (its collectives replaced by
-    ``collectives`` where the job measured its own TP group)."""
+    ``collectives`` where the job measured its own TP group), among the plans whose weights and
+    KV cache fit this machine where one does (``planning.auto.within_memory``)."""
     from deinfer_megatron.checkpoints.folder import open_config
+    from deinfer_megatron.planning import preflight
     from deinfer_megatron.planning.auto import Workload, auto_plan
 
     arch, ranks = open_config(job.model, verify=False)  # validate() verifies
-    work = Workload(tp=job.parallel.tp, batch=len(prompt_ids),
-                    context=max(map(len, prompt_ids)) + job.max_new_tokens, dtype=job.dtype.value,
+    context = max(map(len, prompt_ids)) + job.max_new_tokens
+    work = Workload(tp=job.parallel.tp, batch=len(prompt_ids), context=context, dtype=job.dtype.value,
                     latent_cache=job.cache.kind is CacheKind.LATENT)
-    return auto_plan(arch, ranks, work, collectives=collectives).plan
+    sizes = dict(tp=job.parallel.tp, pp=job.parallel.pp, dtype_bytes=job.dtype.itemsize,
+                 kv_tokens=len(prompt_ids) * context, kv_cache=job.cache.kind)
+    return auto_plan(arch, ranks, work, collectives=collectives,
+                     fits=lambda plan: preflight.fits(arch, ranks, plan, **sizes)).plan
 
 
 def resolve_layout(job: GenerateJob, prompt_ids: list[list[int]]) -> GenerateJob:

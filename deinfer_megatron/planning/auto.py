@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from deinfer_megatron.arch.model import ModelArch, transformer_config
 from deinfer_megatron.layers.costs import Attend, Cost, Gemm
@@ -219,11 +219,34 @@ def choose_layouts(arch: ModelArch, rank_config: RankConfig, work: Workload, tab
     return AutoChoice(LayoutPlan(tuple(chosen)), seconds, outside_seconds(table, arch, work))
 
 
+def within_memory(choice: AutoChoice, fits: Callable[[LayoutPlan], bool]) -> AutoChoice:
+    """``choice`` where its plan ``fits`` in memory; else the fixed layout predicted fastest of
+    those that fit (the layouts trade bytes differently: naive holds the fewest weights per rank
+    but caches every KV head, DeInfer replicates U_o and U_down, dense multiplies the factors
+    out), so that the default never refuses a job a fixed layout would run; else ``choice``
+    itself, whose fit check then says what is missing."""
+    if not choice.seconds or fits(choice.plan):
+        return choice
+    num_layers = len(choice.plan.layers)
+    fixed = sorted((s, i, layout) for i, layout in enumerate(CANDIDATES)
+                   if (s := choice.fixed_step_seconds(layout)) is not None)
+    for seconds, _, layout in fixed:
+        plan = LayoutPlan.uniform(layout, num_layers)
+        if fits(plan):
+            log.info("--layout auto: the fastest plan (%.1f ms a step) does not fit in memory; "
+                     "using %s (%.1f ms predicted)", choice.step_seconds * 1e3, layout.value, seconds * 1e3)
+            return AutoChoice(LayoutPlan(plan.layers), choice.seconds, choice.outside_s)
+    return choice
+
+
 def auto_plan(arch: ModelArch, rank_config: RankConfig, work: Workload,
-              table: CostTable | None = None, collectives: dict[str, list[float]] | None = None) -> AutoChoice:
+              table: CostTable | None = None, collectives: dict[str, list[float]] | None = None,
+              fits: Callable[[LayoutPlan], bool] | None = None) -> AutoChoice:
     """``choose_layouts`` with this host's cached (or freshly measured) table when none is given;
     ``collectives`` (rates measured in the job's own TP group, ``planning.agree``) replace the
-    table's for this choice only — never cached under the host's key.
+    table's for this choice only — never cached under the host's key; ``fits`` (whether a plan's
+    weights and KV cache fit the machine, ``preflight.fits``): the plan is one that does
+    where some fixed layout does (``within_memory``).
 
     A model without a decomposed block has nothing to choose (every block is Megatron's dense one
     in every layout): its plan is the dense layout, named so, and no table is read or measured."""
@@ -239,4 +262,5 @@ def auto_plan(arch: ModelArch, rank_config: RankConfig, work: Workload,
             return AutoChoice(LayoutPlan.uniform(FALLBACK, arch.num_layers), [])
     if collectives:
         table = replace(table, collectives=collectives)
-    return choose_layouts(arch, rank_config, work, table)
+    choice = choose_layouts(arch, rank_config, work, table)
+    return within_memory(choice, fits) if fits is not None else choice

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from deinfer_megatron.arch.model import ModelArch
 from deinfer_megatron.planning.plan import make_plan
@@ -75,6 +76,15 @@ def check_fits(
         except ValueError as err:
             errors.append(err)
     raise errors[0]
+
+
+def fits(arch: ModelArch, rank_config: RankConfig, layout: Any, **sizes: Any) -> bool:
+    """Whether ``check_fits`` accepts ``layout`` (a fixed layout or a plan) at these sizes."""
+    try:
+        check_fits(arch, rank_config, layout, **sizes)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_one(arch: ModelArch, rank_config: RankConfig, layout: str, *, tp: int, pp: int, dtype_bytes: int,
