@@ -30,12 +30,23 @@ class ServeConfig:
     rerun_argv: tuple[str, ...] = ()
 
 
+def _served_layout(text: str) -> Layout:
+    """A ``--layout`` the server can run: each request's slot keeps its own positions in the
+    decomposed attention, which the dense layout (Megatron's attention) does not have."""
+    layout = Layout.parse(text)
+    if layout.multiplies_out:
+        raise ValueError(f"serve runs the factored layouts ({', '.join(l.value for l in Layout if not l.multiplies_out)}), "
+                         f"not {layout.value}: each request keeps its own positions in the decomposed attention")
+    return layout
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a decomposed model over an OpenAI-compatible HTTP API")
     p.add_argument("--model", type=Path, required=True, help="decomposed model folder")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--layout", type=parsed_by(Layout.parse), choices=names(Layout), default=Layout.DEINFER,
+    p.add_argument("--layout", type=parsed_by(_served_layout), default=Layout.DEINFER,
+                   choices=[l.value for l in Layout if not l.multiplies_out],
                    help="deinfer (default) or naive for every block; not auto, which prices one batch and "
                         "context while the server's batch changes every step")
     p.add_argument("--kv-cache", type=parsed_by(CacheKind.parse), choices=names(CacheKind), default=CacheKind.FULL)
