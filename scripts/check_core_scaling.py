@@ -11,7 +11,10 @@ weight tensors, one per matrix, read in a step's order), median of a few steps:
 - ``1 × 1``: every product of the TP=1 step, one thread (the HF 1 × 1 and TP=1 rows);
 - ``1 × 2``: the same with two threads (what HF 1 × 2 has for its matrix products);
 - ``2 × 1``: two processes pinned to one core each, each timing its rank's TP=2 products, started
-  together (the slower rank's median: a step waits for it).
+  together (the slower rank's median: a step waits for it);
+- ``rank 0 alone``: rank 0's TP=2 products in one process, one thread, nothing beside it — as
+  the cost table times each shape; ``2 × 1`` over it is what the two ranks lose to each other
+  (memory bandwidth, the shared last-level cache, and whatever the host's core mapping shares).
 
 ``1 × 2 ÷ 2 × 1`` is the most that TP=2 can gain over HF 1 × 2 from the matrix products; the
 framework time beside them is paid by every rank of a TP job in full, and once by HF.
@@ -87,6 +90,7 @@ def main() -> None:
     whole = step_gemms(args, 1, 0)
     one = time_step(whole, args, 1)
     two_threads = time_step(whole, args, 2)
+    alone = time_step(step_gemms(args, 2, 0), args, 1)
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     start_at = time.time() + 5.0  # both ranks have built their weights by then
@@ -105,8 +109,10 @@ def main() -> None:
     print(f"| 1 process × 2 threads (TP=1 step) | {two_threads * 1e3:.2f} |")
     print(f"| 2 processes × 1 thread (TP=2 ranks, together) | {tp2 * 1e3:.2f} "
           f"(ranks {ranks[0] * 1e3:.2f} / {ranks[1] * 1e3:.2f}) |")
+    print(f"| 1 process × 1 thread (TP=2 rank 0 alone) | {alone * 1e3:.2f} |")
     print(f"two threads ÷ one: {one / two_threads:.2f}×; TP=2 ranks ÷ one thread: {one / tp2:.2f}×; "
-          f"the most TP=2 gains over 1 × 2 from the products: {two_threads / tp2:.2f}×")
+          f"the most TP=2 gains over 1 × 2 from the products: {two_threads / tp2:.2f}×; "
+          f"rank 0 beside rank 1 ÷ alone: {ranks[0] / alone:.2f}×")
 
 
 if __name__ == "__main__":
