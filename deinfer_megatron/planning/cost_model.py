@@ -36,8 +36,9 @@ The attention over a long cache is timed the same way, per (core, heads) at the 
 context (``attention``), because its price is not its bytes: on the development machine, at 2048
 cached tokens, batch 8, 16 query heads on 4 KV heads (fp32), this project's attention took
 4.5-6.4 ms and Megatron's unfused ``DotProductAttention`` (which copies K/V once per query
-head) 78-116 ms, where their 34 MB of K/V at the measured ~10 GB/s say 3.4 ms. Without a timing (an injected table, the latent cache's rebuilt K/V) the
-attention is priced as its K/V bytes streamed from memory.
+head) 78-116 ms, where their 34 MB of K/V at the measured ~10 GB/s say 3.4 ms. Without a
+timing (an injected table, the latent cache's rebuilt K/V) the attention is priced as its K/V
+bytes streamed from memory.
 """
 
 from __future__ import annotations
