@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from deinfer_megatron.arch.model import ModelArch, transformer_config
 from deinfer_megatron.layers.costs import Attend, Cost, Gemm
@@ -147,30 +147,36 @@ def layout_costs(config: Any, layout: Layout, ranks: Any, tp: TPView) -> tuple[C
                        ranks.mlp if factored else None, tp)
 
 
-def required_gemms(arch: ModelArch, rank_config: RankConfig, work: Workload) -> set[tuple[Gemm, int]]:
-    """Every (matrix product, batch rows) that ``choose_layouts`` prices for ``work``."""
+def _priced_costs(arch: ModelArch, rank_config: RankConfig, work: Workload) -> Iterator[tuple[Any, Layout, tuple[Cost, Cost]]]:
+    """(layer ranks, candidate, (attention, MLP) cost on one TP rank) for every distinct layer's
+    ranks, every candidate and every TP rank: the costs ``choose_layouts`` prices."""
     config = transformer_config(arch, tp=work.tp, pp=1)
-    gemms = {output_gemm(arch, work.tp)}
     for ranks in {repr(r): r for r in rank_config.layers}.values():
         for layout in CANDIDATES:
             for rank in range(work.tp):
-                for cost in layout_costs(config, layout, ranks, TPView(rank, work.tp)):
-                    gemms.update(cost.gemms)
+                yield ranks, layout, layout_costs(config, layout, ranks, TPView(rank, work.tp))
+
+
+def keeps_latents(layout: Layout, ranks: Any, work: Workload) -> bool:
+    """Whether this layer's attention block in ``layout`` caches the rank-r latents (the latent
+    cache asked, a decomposed attention, a layout that keeps them whole): priced by their bytes."""
+    return work.latent_cache and ranks.attention is not None and layout.supports_latent_cache
+
+
+def required_gemms(arch: ModelArch, rank_config: RankConfig, work: Workload) -> set[tuple[Gemm, int]]:
+    """Every (matrix product, batch rows) that ``choose_layouts`` prices for ``work``."""
+    gemms = {output_gemm(arch, work.tp)}
+    for _, _, costs in _priced_costs(arch, rank_config, work):
+        for cost in costs:
+            gemms.update(cost.gemms)
     return {(g, work.batch) for g in gemms}
 
 
 def required_attention(arch: ModelArch, rank_config: RankConfig, work: Workload) -> set[tuple[Attend, int, int]]:
-    """Every (attend, batch, context) that ``choose_layouts`` prices for ``work`` (none under
-    the latent cache for the layouts that keep it: their attention is priced by its bytes)."""
-    config = transformer_config(arch, tp=work.tp, pp=1)
-    out: set[tuple[Attend, int, int]] = set()
-    for ranks in {repr(r): r for r in rank_config.layers}.values():
-        for layout in CANDIDATES:
-            if work.latent_cache and ranks.attention is not None and layout.supports_latent_cache:
-                continue
-            for rank in range(work.tp):
-                out.update((a, work.batch, work.context) for a in layout_costs(config, layout, ranks, TPView(rank, work.tp))[0].attends)
-    return out
+    """Every (attend, batch, context) that ``choose_layouts`` prices for ``work`` (none for the
+    attention blocks that keep latents: ``keeps_latents``)."""
+    return {(a, work.batch, work.context) for ranks, layout, costs in _priced_costs(arch, rank_config, work)
+            if not keeps_latents(layout, ranks, work) for a in costs[0].attends}
 
 
 def table_for(arch: ModelArch, rank_config: RankConfig, work: Workload) -> CostTable:
@@ -196,8 +202,7 @@ def choose_layouts(arch: ModelArch, rank_config: RankConfig, work: Workload, tab
             worst = {b: 0.0 for b in BLOCKS}
             for rank in range(work.tp):
                 costs = layout_costs(config, layout, ranks, TPView(rank, work.tp))
-                latent = work.latent_cache and attn is not None and layout.supports_latent_cache
-                latent_bytes = (attn.k + attn.v) * work.dtype_bytes if latent else None
+                latent_bytes = (attn.k + attn.v) * work.dtype_bytes if keeps_latents(layout, ranks, work) else None
                 for b, cost, model_ranks in zip(BLOCKS, costs, (ranks.attention, ranks.mlp)):
                     built = layout if model_ranks is not None else Layout.DENSE  # a dense block stays dense
                     fixed = table.block_overhead(work.tp, built.value, b)

@@ -200,11 +200,12 @@ def measure_attention(dtype: str, cases: Iterable[tuple[Attend, int, int]], *,
     torch.set_num_threads(threads)
     t = getattr(torch, dtype)
     elem = torch.empty((), dtype=t).element_size()
+    llc = last_level_cache_bytes()
     out: dict[Attend, list[list[float]]] = {}
     with torch.no_grad():
         for attend, batch, context in sorted(set(cases)):
             half = context * batch * attend.kv_heads * attend.head_dim  # K (or V) of one call
-            copies = max(2, min(MAX_CALLS, 3 * last_level_cache_bytes() // (2 * 2 * half * elem),
+            copies = max(2, min(MAX_CALLS, 3 * llc // (2 * 2 * half * elem),
                                 MAX_POOL // (2 * half * elem)))
             pool = torch.empty(copies * 2 * half, dtype=t).uniform_(-1.0, 1.0)
             shape = (context, batch, attend.kv_heads, attend.head_dim)

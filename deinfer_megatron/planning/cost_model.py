@@ -50,7 +50,7 @@ import os
 import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from deinfer_megatron.layers.costs import Attend, Gemm
 
@@ -340,11 +340,8 @@ def with_shapes(table: CostTable, dtype: str, needs: Iterable[tuple[Gemm, int]])
         return table
     from deinfer_megatron.planning.calibrate import measure_shapes
 
-    shapes = {k: list(v) for k, v in table.shapes.items()}
-    for gemm, rows in measure_shapes(dtype, missing, threads=table.key.threads).items():
-        key = shape_key(dtype, gemm)
-        shapes[key] = sorted(shapes.get(key, []) + rows)
-    return replace(table, shapes=shapes)
+    measured = measure_shapes(dtype, missing, threads=table.key.threads)
+    return replace(table, shapes=_merged(table.shapes, measured, lambda gemm: shape_key(dtype, gemm)))
 
 
 def with_attention(table: CostTable, dtype: str, needs: Iterable[tuple[Attend, int, int]]) -> CostTable:
@@ -356,11 +353,18 @@ def with_attention(table: CostTable, dtype: str, needs: Iterable[tuple[Attend, i
         return table
     from deinfer_megatron.planning.calibrate import measure_attention
 
-    attention = {k: list(v) for k, v in table.attention.items()}
-    for attend, rows in measure_attention(dtype, missing, threads=table.key.threads).items():
-        key = attention_key(dtype, attend)
-        attention[key] = sorted(attention.get(key, []) + rows)
-    return replace(table, attention=attention)
+    measured = measure_attention(dtype, missing, threads=table.key.threads)
+    return replace(table, attention=_merged(table.attention, measured, lambda attend: attention_key(dtype, attend)))
+
+
+def _merged(have: dict[str, list[list[float]]], measured: dict[Any, list[list[float]]],
+            key_of: Callable[[Any], str]) -> dict[str, list[list[float]]]:
+    """``have`` (a table's rows by key) with each measured case's rows added under its key, sorted."""
+    out = {k: list(v) for k, v in have.items()}
+    for case, rows in measured.items():
+        key = key_of(case)
+        out[key] = sorted(out.get(key, []) + rows)
+    return out
 
 
 def host_table(*, tp: int, threads: int | None = None, root: Path | None = None,
