@@ -49,7 +49,7 @@ def step_gemms(args: argparse.Namespace, tp: int, rank: int) -> list[Any]:
     arch = synthetic_arch(args.model)
     ranks = RankConfig.from_mapping(uniform_ranks(arch, args.ratio), arch)
     config = transformer_config(arch, tp=tp, pp=1)
-    return [g for layer in ranks.layers for cost in layout_costs(config, Layout(args.layout), layer, TPView(rank, tp))
+    return [g for layer in ranks.layers for cost in layout_costs(config, arch, Layout(args.layout), layer, TPView(rank, tp))
             for g in cost.gemms] + [output_gemm(arch, tp)]
 
 

@@ -54,7 +54,7 @@ def main() -> None:
 
     config = transformer_config(arch, tp=args.tp, pp=1)
     layout = Layout(args.layout)
-    gemms = [g for layer in ranks.layers for cost in layout_costs(config, layout, layer, TPView(0, args.tp))
+    gemms = [g for layer in ranks.layers for cost in layout_costs(config, arch, layout, layer, TPView(0, args.tp))
              for g in cost.gemms] + [output_gemm(arch, args.tp)]
     weights = [[torch.empty((g.count, g.k, g.n) if g.count > 1 else ((g.n, g.k) if g.transposed else (g.k, g.n)))
                 .uniform_(-1, 1) for g in gemms] for _ in range(args.ranks)]

@@ -43,6 +43,11 @@ class ModelArch:
         return self.family != "opt"
 
     @property
+    def rotary(self) -> bool:
+        """Positions by RoPE (the LLaMA/Qwen2 families); OPT learns absolute positions."""
+        return self.family != "opt"
+
+    @property
     def qkv_bias(self) -> bool:
         return self.family in ("qwen2", "opt")
 

@@ -171,7 +171,13 @@ def _sdpa_core(attend: Attend, dtype: torch.dtype) -> Callable[..., torch.Tensor
 
 def _megatron_core(attend: Attend, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
     """Megatron's ``DotProductAttention`` over exactly ``attend``'s heads: a TP group of one
-    rank holding them, the config flags the project's models use (no fusions, no dropout)."""
+    rank holding them, the config flags the project's models use (no fusions, no dropout).
+    With ``attend.rotary``, the keys are first rotated by position with Megatron's
+    ``apply_rotary_pos_emb``, as its ``SelfAttention.forward`` does to the whole static cache at
+    every step (the frequencies, computed once per forward for all layers there, are made
+    once per context here, outside the call)."""
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -184,7 +190,18 @@ def _megatron_core(attend: Attend, dtype: torch.dtype) -> Callable[..., torch.Te
         persist_layer_norm=False, gradient_accumulation_fusion=False)
     module = DotProductAttention(config, 1, AttnMaskType.causal, "self",
                                  pg_collection=types.SimpleNamespace(tp=_OneRank()))
-    return lambda q, k, v: module(q, k, v, None)
+    if not attend.rotary:
+        return lambda q, k, v: module(q, k, v, None)
+    rope = RotaryEmbedding(kv_channels=attend.head_dim, rotary_percent=1.0, use_cpu_initialization=True)
+    freqs: dict[int, torch.Tensor] = {}
+
+    def rotated_then_attended(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        sk = k.shape[0]
+        if sk not in freqs:
+            freqs[sk] = rope(sk)
+        return module(q, apply_rotary_pos_emb(k, freqs[sk], config=config, cp_group=_OneRank()), v, None)
+
+    return rotated_then_attended
 
 
 CORES: dict[str, Callable[[Attend, torch.dtype], Callable[..., torch.Tensor]]] = {

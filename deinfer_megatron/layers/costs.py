@@ -42,12 +42,16 @@ class Attend(NamedTuple):
     (``core``: the name its module answers to, ``layers.core_attention.CORES``) over how many
     query and KV heads of ``head_dim``. The cost model times each at the job's batch and context
     (``calibrate.measure_attention``): the cores differ several-fold at one size (Megatron's
-    unfused ``DotProductAttention`` copies K/V per query head and softmaxes in its own kernels)."""
+    unfused ``DotProductAttention`` copies K/V per query head and softmaxes in its own kernels).
+    ``rotary``: the block applies RoPE to every cached key at every step before attending —
+    Megatron's static-batching ``SelfAttention`` caches keys before RoPE (only its GPU-only
+    ``flash_decode`` path rotates them once), which costs about as much as its core does."""
 
     core: str
     heads: int
     kv_heads: int
     head_dim: int
+    rotary: bool = False
 
 
 class Collective(NamedTuple):

@@ -82,13 +82,15 @@ class CountedRowParallelLinear(RowParallelLinear):
         return (out + self.bias if self.bias is not None else out), None
 
 
-def dense_attention_cost(config: Any, tp: TPView) -> Cost:
+def dense_attention_cost(config: Any, tp: TPView, *, rotary: bool) -> Cost:
     """Megatron's ``SelfAttention`` on rank ``tp.rank``: ``linear_qkv`` column-parallel by heads
     (bias when ``add_qkv_bias`` or ``add_bias_linear``, as Megatron decides), ``linear_proj``
     row-parallel over this rank's query heads with one all-reduce of ``hidden`` (its bias
     replicated); K/V cached for this rank's KV heads, attended by Megatron's
-    ``DotProductAttention`` over this rank's query heads. Backward: one all-reduce of ``hidden``
-    (the gradient of ``linear_qkv``'s replicated input)."""
+    ``DotProductAttention`` over this rank's query heads — with ``rotary`` (the model's
+    positions are RoPE) every cached key rotated again at each step first, since Megatron's
+    static-batching cache holds keys before RoPE. Backward: one all-reduce of ``hidden`` (the
+    gradient of ``linear_qkv``'s replicated input)."""
     h, d = config.hidden_size, config.kv_channels
     q_span = unit_split(config.num_attention_heads, d, tp)
     kv_span = unit_split(config.num_query_groups, d, tp)
@@ -98,7 +100,7 @@ def dense_attention_cost(config: Any, tp: TPView) -> Cost:
     return Cost(params, issued(tp, Collective("all_reduce", h)), kv_heads=kv_span.size // d,
                 backward=issued(tp, Collective("all_reduce", h)),  # linear_qkv's input gradient
                 gemms=(Gemm(h, rows, transposed=True), Gemm(q_span.size, h, transposed=True)),
-                attends=(Attend(MEGATRON, q_span.size // d, kv_span.size // d, d),))
+                attends=(Attend(MEGATRON, q_span.size // d, kv_span.size // d, d, rotary),))
 
 
 def dense_mlp_cost(config: Any, tp: TPView) -> Cost:

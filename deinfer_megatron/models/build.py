@@ -135,8 +135,8 @@ def build_stage(
             parallel_output=False,
             # Across pipeline stages the head keeps its own copy, loaded from the embedding.
             share_embeddings_and_output_weights=arch.tied_embeddings and groups.pp_size == 1,
-            position_embedding_type="learned_absolute" if arch.family == "opt" else "rope",
-            rotary_base=arch.rope_theta if arch.family != "opt" else 10000,
+            position_embedding_type="rope" if arch.rotary else "learned_absolute",
+            rotary_base=arch.rope_theta if arch.rotary else 10000,
             pg_collection=groups.pg_collection,
         )
     _mark_megatron_shards(model)

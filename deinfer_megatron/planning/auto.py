@@ -139,12 +139,12 @@ def _allowed(layout: Layout, block: str, ranks: Any, arch: ModelArch, work: Work
     return True
 
 
-def layout_costs(config: Any, layout: Layout, ranks: Any, tp: TPView) -> tuple[Cost, Cost]:
+def layout_costs(config: Any, arch: ModelArch, layout: Layout, ranks: Any, tp: TPView) -> tuple[Cost, Cost]:
     """(attention, MLP) cost of one layer's blocks in ``layout`` on rank ``tp.rank``: a layout
     without factor classes builds Megatron's dense blocks."""
     factored = layout.factor_classes is not None
     return block_costs(config, BlockLayouts(layout, layout), ranks.attention if factored else None,
-                       ranks.mlp if factored else None, tp)
+                       ranks.mlp if factored else None, tp, rotary=arch.rotary)
 
 
 def _priced_costs(arch: ModelArch, rank_config: RankConfig, work: Workload) -> Iterator[tuple[Any, Layout, tuple[Cost, Cost]]]:
@@ -154,7 +154,7 @@ def _priced_costs(arch: ModelArch, rank_config: RankConfig, work: Workload) -> I
     for ranks in {repr(r): r for r in rank_config.layers}.values():
         for layout in CANDIDATES:
             for rank in range(work.tp):
-                yield ranks, layout, layout_costs(config, layout, ranks, TPView(rank, work.tp))
+                yield ranks, layout, layout_costs(config, arch, layout, ranks, TPView(rank, work.tp))
 
 
 def keeps_latents(layout: Layout, ranks: Any, work: Workload) -> bool:
@@ -201,7 +201,7 @@ def choose_layouts(arch: ModelArch, rank_config: RankConfig, work: Workload, tab
             attn = ranks.attention if layout.factor_classes is not None else None
             worst = {b: 0.0 for b in BLOCKS}
             for rank in range(work.tp):
-                costs = layout_costs(config, layout, ranks, TPView(rank, work.tp))
+                costs = layout_costs(config, arch, layout, ranks, TPView(rank, work.tp))
                 latent_bytes = (attn.k + attn.v) * work.dtype_bytes if keeps_latents(layout, ranks, work) else None
                 for b, cost, model_ranks in zip(BLOCKS, costs, (ranks.attention, ranks.mlp)):
                     built = layout if model_ranks is not None else Layout.DENSE  # a dense block stays dense

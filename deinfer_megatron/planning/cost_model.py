@@ -217,8 +217,10 @@ def shape_key(dtype: str, gemm: Gemm) -> str:
 
 
 def attention_key(dtype: str, attend: Attend) -> str:
-    """``float32:sdpa:16/4x64`` (core, query heads / KV heads × head dim)."""
-    return f"{dtype}:{attend.core}:{attend.heads}/{attend.kv_heads}x{attend.head_dim}"
+    """``float32:sdpa:16/4x64`` (core, query heads / KV heads × head dim; ``+rope`` appended
+    where the block rotates every cached key first, ``Attend.rotary``)."""
+    rope = "+rope" if attend.rotary else ""
+    return f"{dtype}:{attend.core}{rope}:{attend.heads}/{attend.kv_heads}x{attend.head_dim}"
 
 
 ATTENTION_COPY_BYTES = 128 << 20  # K/V of one timed attention call at most; larger batches are scaled

@@ -230,9 +230,8 @@ def fit(table: CostTable, tp: int, measured: dict[str, dict[str, float]]) -> dic
     measured parts (the slowest rank's), less the table's own price at each size."""
     from deinfer_megatron.arch.model import transformer_config
     from deinfer_megatron.parallel.topology import TPView
-    from deinfer_megatron.planning.auto import BLOCKS, choose_layouts, outside_seconds
-    from deinfer_megatron.planning.plan import block_costs
-    from deinfer_megatron.specs.layout import BlockLayouts, Layout
+    from deinfer_megatron.planning.auto import BLOCKS, choose_layouts, layout_costs, outside_seconds
+    from deinfer_megatron.specs.layout import Layout
 
     base = replace(table, overhead={})
     work = _fit_workload(tp)
@@ -245,10 +244,7 @@ def fit(table: CostTable, tp: int, measured: dict[str, dict[str, float]]) -> dic
         ranks = rank_config.layers[0]
         for layout in layouts:
             got = measured[f"{s}/{layout}"]
-            lay = Layout(layout)
-            factored = lay.factor_classes is not None
-            costs = block_costs(config, BlockLayouts(lay, lay), ranks.attention if factored else None,
-                                ranks.mlp if factored else None, TPView(0, tp))
+            costs = layout_costs(config, arch, Layout(layout), ranks, TPView(0, tp))
             for b, cost in zip(BLOCKS, costs):
                 residual.setdefault((layout, b), []).append((cost.params, got[b] - priced[b][layout]))
             residual.setdefault((layout, "layer"), []).append((arch.hidden_size, got["layer"]))

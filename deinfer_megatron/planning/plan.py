@@ -69,13 +69,14 @@ class Plan:
 
 
 def block_costs(config: Any, blocks: BlockLayouts, attn: AttentionRanks | None,
-                 mlp: MlpRanks | None, tp: TPView) -> tuple[Cost, Cost]:
+                 mlp: MlpRanks | None, tp: TPView, *, rotary: bool) -> tuple[Cost, Cost]:
     """(attention, MLP) cost on rank ``tp.rank``, each answered by the module the block is built
     as: Megatron's dense block where there are no ranks, else the decomposed block with the
-    block's layout's factor classes in its slots."""
+    block's layout's factor classes in its slots. ``rotary``: the model's positions are RoPE
+    (``ModelArch.rotary``; Megatron's dense attention then rotates its cached keys each step)."""
     attn_classes, mlp_classes = blocks.attention.factor_classes, blocks.mlp.factor_classes
     attention = (
-        dense_attention_cost(config, tp)
+        dense_attention_cost(config, tp, rotary=rotary)
         if attn is None
         else FactoredSelfAttention.cost(config, factored_attention_submodules(attn_classes), attn, tp)
     )
@@ -122,7 +123,7 @@ def layer_plan(
         require_dense_attention_fits(arch.num_kv_heads, tp, index)
     params = 0
     for rank in range(tp):
-        attention, ffn = block_costs(config, blocks, attn, mlp, TPView(rank, tp))
+        attention, ffn = block_costs(config, blocks, attn, mlp, TPView(rank, tp), rotary=arch.rotary)
         params = max(params, attention.params + ffn.params + _norm_params(arch))
     ops = [(c.kind, c.elements) for c in attention.collectives + ffn.collectives]
     # the backward pass runs the blocks, and each block's parts, in reverse order

@@ -23,11 +23,12 @@ from deinfer_megatron.layers import factors
 from deinfer_megatron.layers.attention import FactoredSelfAttention
 from deinfer_megatron.layers.core_attention import MEGATRON, SDPA, SdpaCoreAttention
 from deinfer_megatron.layers.costs import Attend
-from deinfer_megatron.layers.dense import dense_attention_cost
 from deinfer_megatron.layers.factored_linear import factored_mlp_cost
 from deinfer_megatron.parallel.topology import TPView
+from deinfer_megatron.planning.auto import layout_costs
 from deinfer_megatron.specs.builder import factored_attention_submodules
 from deinfer_megatron.specs.layout import Layout
+from deinfer_megatron.specs.rank_config import RankConfig
 from tests.helpers.tiny_models import TINY_CONFIGS
 
 ATTENTION = AttentionRanks(q=13, k=7, v=9, o=11)  # Σ qkv = 29: padded at every TP > 1
@@ -120,11 +121,14 @@ def test_mlp_cost_is_what_megatrons_mlp_allocates(family, layout, tp, fake_comm,
         assert list(cost.collectives) == fake_comm, (family, layout, k)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_dense_attention_is_megatrons_over_this_ranks_heads(tp) -> None:
+@pytest.mark.parametrize("family, tp", [("llama", 1), ("llama", 2), ("opt", 2)])
+def test_dense_attention_is_megatrons_over_this_ranks_heads(family, tp) -> None:
     """Megatron's ``DotProductAttention`` divides the query heads and the query groups by the TP
-    size (``num_attention_heads_per_partition``, ``num_query_groups_per_partition``)."""
-    cfg = _config("llama", tp)
-    cost = dense_attention_cost(cfg, TPView(0, tp))
+    size (``num_attention_heads_per_partition``, ``num_query_groups_per_partition``); a RoPE
+    model's dense attention rotates its cached keys each step (tests/layers/test_dense.py),
+    OPT's learned positions do not."""
+    arch = arch_from_hf_config(TINY_CONFIGS[family])
+    cfg = transformer_config(arch, tp=tp, pp=1)
+    cost, _ = layout_costs(cfg, arch, Layout.DENSE, RankConfig.dense(arch).layers[0], TPView(0, tp))
     assert cost.attends == (Attend(MEGATRON, cfg.num_attention_heads // tp, cfg.num_query_groups // tp,
-                                   cfg.kv_channels),)
+                                   cfg.kv_channels, rotary=family != "opt"),)

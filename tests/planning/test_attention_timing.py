@@ -27,11 +27,25 @@ from tests.helpers.cost_tables import (fake_measure_attention, fake_measure_shap
 from tests.helpers.tiny_models import TINY_CONFIGS
 
 
-@pytest.mark.parametrize("core", [SDPA, MEGATRON])
-def test_a_standalone_core_attends_as_written_out_per_head(core) -> None:
+def _rotated(k: torch.Tensor) -> torch.Tensor:
+    """``[sk, b, n, d]`` keys rotated by their position (RoPE, base 10000, the halves of each
+    head paired: Hugging Face LLaMA's ``rotate_half`` convention), in float64."""
+    sk, d = k.shape[0], k.shape[-1]
+    inv = 1.0 / 10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angle = torch.arange(sk, dtype=torch.float64)[:, None] * inv[None]  # [sk, d/2]
+    cos, sin = (f(angle).repeat(1, 2)[:, None, None] for f in (torch.cos, torch.sin))
+    x = k.double()
+    half = torch.cat((-x[..., d // 2:], x[..., : d // 2]), dim=-1)
+    return x * cos + half * sin
+
+
+@pytest.mark.parametrize("core, rotary", [(SDPA, False), (MEGATRON, False), (MEGATRON, True)])
+def test_a_standalone_core_attends_as_written_out_per_head(core, rotary) -> None:
+    """With ``rotary`` (Megatron's static-batching attention, whose cache holds keys before
+    RoPE) the timed call rotates every key by its position before attending."""
     from megatron.core import parallel_state
 
-    attend = Attend(core, heads=6, kv_heads=2, head_dim=8)
+    attend = Attend(core, heads=6, kv_heads=2, head_dim=8, rotary=rotary)
     gen = torch.Generator().manual_seed(4)
     b, sk = 3, 9
     q = torch.randn(1, b, 6, 8, generator=gen)
@@ -39,10 +53,11 @@ def test_a_standalone_core_attends_as_written_out_per_head(core) -> None:
     with torch.no_grad(), standalone_core(attend, torch.float32) as run:
         got = run(q, k, v).reshape(1, b, 6, 8)
     assert parallel_state._GLOBAL_MEMORY_BUFFER is None, "the buffer set up for the timing is taken down"
+    keys = _rotated(k) if rotary else k.double()
     want = torch.empty(1, b, 6, 8, dtype=torch.float64)
     for s in range(b):
         for h in range(6):
-            scores = k[:, s, h // 3].double() @ q[0, s, h].double() / math.sqrt(8)
+            scores = keys[:, s, h // 3] @ q[0, s, h].double() / math.sqrt(8)
             want[0, s, h] = scores.softmax(0) @ v[:, s, h // 3].double()
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
 

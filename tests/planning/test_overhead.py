@@ -76,9 +76,7 @@ def test_fit_recovers_known_fixed_costs() -> None:
     the fixed cost (the extrapolation to zero size)."""
     from deinfer_megatron.arch.model import transformer_config
     from deinfer_megatron.parallel.topology import TPView
-    from deinfer_megatron.planning.auto import outside_seconds
-    from deinfer_megatron.planning.plan import block_costs
-    from deinfer_megatron.specs.layout import BlockLayouts, Layout
+    from deinfer_megatron.planning.auto import layout_costs, outside_seconds
 
     table, tp, slope = params_only(), 2, 3e-9
     work = Workload(tp=tp, batch=1, context=overhead.PROMPT + overhead.NEW_TOKENS // 2)
@@ -88,11 +86,7 @@ def test_fit_recovers_known_fixed_costs() -> None:
         priced = choose_layouts(arch, rank_config, work, table).seconds[0]
         config = transformer_config(arch, tp=tp, pp=1)
         for layout in BLOCKS:
-            lay = Layout(layout)
-            f = lay.factor_classes is not None
-            r = rank_config.layers[0]
-            costs = block_costs(config, BlockLayouts(lay, lay), r.attention if f else None, r.mlp if f else None,
-                                TPView(0, tp))
+            costs = layout_costs(config, arch, Layout(layout), rank_config.layers[0], TPView(0, tp))
             parts = {b: priced[b][layout] + BLOCKS[layout][b] + slope * c.params
                      for b, c in zip(("attention", "mlp"), costs)}
             parts["layer"] = LAYER + slope * arch.hidden_size
