@@ -19,7 +19,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs tests
 
 demo: install
 	$(VENV)/bin/deinfer-megatron demo

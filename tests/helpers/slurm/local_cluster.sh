@@ -2,6 +2,7 @@
 # Bring up / tear down a real single-node Slurm cluster on this host, for tests.
 #
 #   tests/helpers/slurm/local_cluster.sh start    # install (if needed), configure, start, wait for idle
+#   tests/helpers/slurm/local_cluster.sh install  # only install (if needed) and create the munge key
 #   tests/helpers/slurm/local_cluster.sh stop     # stop slurmd, slurmctld, munged
 #   tests/helpers/slurm/local_cluster.sh status   # sinfo (+ daemon pids)
 #   tests/helpers/slurm/local_cluster.sh restart
@@ -356,6 +357,12 @@ start_daemon() {  # start_daemon NAME PIDFILE CMD...
     die "$name did not come up (no live pid in $pf)"
 }
 
+cmd_install() {
+    need_root
+    install_packages
+    setup_munge
+}
+
 cmd_start() {
     need_root
     local t0
@@ -405,7 +412,7 @@ cmd_status() {
 
 # Serialise concurrent invocations (e.g. several pytest-xdist workers).
 LOCK_FILE="${DEINFER_SLURM_LOCK:-/run/lock/deinfer-slurm.lock}"
-if [[ "${1:-}" =~ ^(start|stop|restart)$ ]] && command -v flock >/dev/null; then
+if [[ "${1:-}" =~ ^(start|stop|restart|install)$ ]] && command -v flock >/dev/null; then
     need_root
     mkdir -p "$(dirname "$LOCK_FILE")"
     exec 9>"$LOCK_FILE"
@@ -414,8 +421,9 @@ fi
 
 case "${1:-}" in
     start) cmd_start ;;
+    install) cmd_install ;;
     stop) cmd_stop ;;
     restart) cmd_stop; cmd_start ;;
     status) cmd_status ;;
-    *) echo "usage: $0 {start|stop|restart|status}" >&2; exit 2 ;;
+    *) echo "usage: $0 {start|stop|restart|status|install}" >&2; exit 2 ;;
 esac

@@ -34,17 +34,41 @@ NODES = ("dma", "dmb")
 MUNGE_KEY = Path("/etc/munge/munge.key")
 
 
+TOOLS = ("slurmctld", "slurmd", "sbatch", "sinfo", "munged")
+
+
+def _missing_tools() -> list[str]:
+    return [t for t in TOOLS if shutil.which(t, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") is None]
+
+
 def skip_reason() -> str | None:
-    """Why a two-node cluster cannot be made here (None when it can)."""
+    """Why a two-node cluster cannot be made here (None when it can). Missing Slurm or munge is
+    no reason where ``local_cluster.sh install`` can install them (root and apt-get): on a
+    fresh machine this is decided at collection, before any test has installed anything."""
+    from tests.helpers.slurm import slurm_skip_reason
+
     reason = netns.unavailable()
     if reason:
         return reason
-    for tool in ("slurmctld", "slurmd", "sbatch", "sinfo", "munged", "setpriv"):
-        if shutil.which(tool, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") is None:
-            return f"{tool} is not installed (tests/helpers/slurm/local_cluster.sh installs Slurm and munge)"
-    if not MUNGE_KEY.is_file():
-        return f"no munge key at {MUNGE_KEY} (tests/helpers/slurm/local_cluster.sh start creates it)"
+    if shutil.which("setpriv") is None:
+        return "setpriv (util-linux) is not installed"
+    if _missing_tools() or not MUNGE_KEY.is_file():
+        return slurm_skip_reason()
     return None
+
+
+def ensure_installed() -> None:
+    """Slurm, munge and the machine's munge key, installed or created where absent (``local_cluster.sh
+    install``: apt-get, the key; no daemon is started)."""
+    from tests.helpers.slurm import LOCAL_CLUSTER
+
+    if not _missing_tools() and MUNGE_KEY.is_file():
+        return
+    proc = subprocess.run(["bash", str(LOCAL_CLUSTER), "install"], capture_output=True, text=True,
+                          timeout=1200, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    if proc.returncode != 0 or _missing_tools() or not MUNGE_KEY.is_file():
+        raise RuntimeError(f"local_cluster.sh install failed (exit {proc.returncode}); missing "
+                           f"{_missing_tools() or [str(MUNGE_KEY)]}\n{proc.stdout}\n{proc.stderr}")
 
 
 def _with_host_cgroups(argv: list[str]) -> list[str]:
@@ -154,6 +178,7 @@ def _wait_idle(cluster: Cluster, timeout: float) -> None:
 @contextlib.contextmanager
 def two_node_cluster(rate: str | None = None, start_timeout: float = 60) -> Iterator[Cluster]:
     """slurmctld + slurmd on node a, slurmd on node b; all stopped and removed on exit."""
+    ensure_installed()
     root = Path(tempfile.mkdtemp(prefix="deinfer-slurm2n-"))
     try:
         with netns.two_nodes(rate) as nodes:
