@@ -53,9 +53,10 @@ def _is_root() -> bool:
     return hasattr(os, "geteuid") and os.geteuid() == 0
 
 
-def _binaries_installed() -> bool:
-    return all(shutil.which(b, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
-               for b in _REQUIRED_BINARIES)
+def missing_binaries() -> list[str]:
+    """The Slurm and munge programs the test clusters run that are not installed."""
+    return [b for b in _REQUIRED_BINARIES
+            if shutil.which(b, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") is None]
 
 
 def slurm_skip_reason() -> str | None:
@@ -64,7 +65,7 @@ def slurm_skip_reason() -> str | None:
         return f"local Slurm cluster needs Linux (platform {sys.platform})"
     if not _is_root():
         return "local Slurm cluster needs root (to run munged/slurmctld/slurmd and apt-get)"
-    if not _binaries_installed() and shutil.which("apt-get") is None:
+    if missing_binaries() and shutil.which("apt-get") is None:
         return "slurm-wlm/munge not installed and apt-get unavailable to install them"
     if shutil.which("bash") is None:
         return "bash not available"

@@ -34,25 +34,18 @@ NODES = ("dma", "dmb")
 MUNGE_KEY = Path("/etc/munge/munge.key")
 
 
-TOOLS = ("slurmctld", "slurmd", "sbatch", "sinfo", "munged")
-
-
-def _missing_tools() -> list[str]:
-    return [t for t in TOOLS if shutil.which(t, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") is None]
-
-
 def skip_reason() -> str | None:
     """Why a two-node cluster cannot be made here (None when it can). Missing Slurm or munge is
     no reason where ``local_cluster.sh install`` can install them (root and apt-get): on a
     fresh machine this is decided at collection, before any test has installed anything."""
-    from tests.helpers.slurm import slurm_skip_reason
+    from tests.helpers.slurm import missing_binaries, slurm_skip_reason
 
     reason = netns.unavailable()
     if reason:
         return reason
     if shutil.which("setpriv") is None:
         return "setpriv (util-linux) is not installed"
-    if _missing_tools() or not MUNGE_KEY.is_file():
+    if missing_binaries() or not MUNGE_KEY.is_file():
         return slurm_skip_reason()
     return None
 
@@ -60,15 +53,16 @@ def skip_reason() -> str | None:
 def ensure_installed() -> None:
     """Slurm, munge and the machine's munge key, installed or created where absent (``local_cluster.sh
     install``: apt-get, the key; no daemon is started)."""
-    from tests.helpers.slurm import LOCAL_CLUSTER
+    from tests.helpers.slurm import LOCAL_CLUSTER, missing_binaries
 
-    if not _missing_tools() and MUNGE_KEY.is_file():
+    if not missing_binaries() and MUNGE_KEY.is_file():
         return
     proc = subprocess.run(["bash", str(LOCAL_CLUSTER), "install"], capture_output=True, text=True,
                           timeout=1200, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-    if proc.returncode != 0 or _missing_tools() or not MUNGE_KEY.is_file():
+    missing = missing_binaries() + ([] if MUNGE_KEY.is_file() else [str(MUNGE_KEY)])
+    if proc.returncode != 0 or missing:
         raise RuntimeError(f"local_cluster.sh install failed (exit {proc.returncode}); missing "
-                           f"{_missing_tools() or [str(MUNGE_KEY)]}\n{proc.stdout}\n{proc.stderr}")
+                           f"{missing}\n{proc.stdout}\n{proc.stderr}")
 
 
 def _with_host_cgroups(argv: list[str]) -> list[str]:
