@@ -124,8 +124,11 @@ def _check_outputs(outputs: BenchOutputs) -> None:
 def _host(start_load: tuple[float, ...], started: str) -> dict[str, Any]:
     import torch
 
+    from deinfer_megatron.launch import allocator
+
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "1")),
+            "allocator": allocator.state(),  # this project's ranks; the peers run with glibc's defaults
             "load_avg_start": [round(x, 2) for x in start_load],
             "load_avg_end": [round(x, 2) for x in os.getloadavg()],
             "started": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}

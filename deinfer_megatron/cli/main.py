@@ -72,6 +72,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         args.argv = argv  # the command line as given: what a launcher re-runs on every rank
         command = f"deinfer-megatron {args.command}"
         setup_logging(args.verbose)
+        from deinfer_megatron.launch import allocator
+
+        allocator.configure()  # before any tensor: every rank of every launcher runs this command
         with stdout_reserved_for_json(getattr(args, "json", None) is True):
             return args.run(args.make_config(args))
     except KeyboardInterrupt:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from deinfer_megatron import patches
+from deinfer_megatron.launch import allocator
 from deinfer_megatron.parallel import collectives as transports
 from deinfer_megatron.parallel.collectives import Collectives
 from deinfer_megatron.parallel.rendezvous import local_store
@@ -93,6 +94,7 @@ def init_parallel(tp: int, pp: int, *, timeout_s: float = 300.0,
     CPU ranks of a node by default, or the process group throughout).
     """
     collectives = Collectives.parse(collectives)
+    allocator.configure()  # ranks started through the Python API, not the command
     patches.apply_all()
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection

@@ -91,13 +91,16 @@ class TableKey:
     torch: str
     threads: int
     format: int = FORMAT
+    allocator: str = ""  # ``launch.allocator.state()``: one pass over a large temporary costs 7× more when mapped afresh
 
     @classmethod
     def current(cls, threads: int | None = None) -> "TableKey":
         import torch
 
+        from deinfer_megatron.launch import allocator
+
         return cls(host_id(), project_version(), torch.__version__,
-                   threads if threads is not None else torch.get_num_threads())
+                   threads if threads is not None else torch.get_num_threads(), allocator=allocator.state())
 
 
 @dataclass(frozen=True)
@@ -300,11 +303,20 @@ def _interpolate(rows: list[list[float]], lm: float, le: float) -> float:
 
 
 def cache_path(key: TableKey, root: Path | None = None) -> Path:
-    """Where this host's table lives: ``<cache dir>/cost_model/<host>-t<threads>.json``."""
+    """Where this host's table lives: ``<cache dir>/cost_model/<host>-t<threads>.json``, with
+    ``-<allocator>`` before ``.json`` when the allocator state is not the project's default, so
+    that a job run with ``DEINFER_MEGATRON_MALLOC=system`` (or a preloaded allocator) keeps its
+    own table instead of re-measuring over the default's at every switch."""
     from deinfer_megatron.checkpoints.embedded import cache_dir
+    from deinfer_megatron.launch.allocator import DEFAULT_STATE
 
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key.host)
-    return (root if root is not None else cache_dir() / "cost_model") / f"{safe}-t{key.threads}.json"
+    def slug(text: str) -> str:
+        return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+    name = f"{slug(key.host)}-t{key.threads}"
+    if key.allocator and key.allocator != DEFAULT_STATE:
+        name += "-" + slug(key.allocator)[:80]
+    return (root if root is not None else cache_dir() / "cost_model") / f"{name}.json"
 
 
 def load_cached(path: Path, key: TableKey) -> CostTable | None:

@@ -120,12 +120,21 @@ def test_cache_of_another_host_or_version_is_ignored(tmp_path, monkeypatch, capl
     save(table, path)
     assert load_cached(path, key) == table
     for other in (replace(key, host="elsewhere"), replace(key, version="0.0.1"), replace(key, torch="1.0"),
-                  replace(key, threads=7), replace(key, format=key.format - 1)):
+                  replace(key, threads=7), replace(key, format=key.format - 1),
+                  replace(key, allocator="system")):  # timed with large blocks mapped afresh
         foreign = replace(table, key=other)
         path.write_text(json.dumps(foreign.to_json()))
         assert load_cached(path, key) is None, other
     path.write_text("{not json")
     assert load_cached(path, key) is None
+    # each allocator state has its own file: switching DEINFER_MEGATRON_MALLOC does not re-measure the other's
+    from deinfer_megatron.launch.allocator import DEFAULT_STATE
+
+    default_path = cache_path(replace(key, allocator=DEFAULT_STATE), tmp_path)
+    assert default_path.name == f"{cache_path(replace(key, allocator=''), tmp_path).stem}.json"
+    assert cache_path(replace(key, allocator="system"), tmp_path).name == default_path.stem + "-system.json"
+    assert cache_path(replace(key, allocator="preloaded jemalloc"), tmp_path).name == \
+        default_path.stem + "-preloaded_jemalloc.json"
     # host_table measures again (here: a stand-in calibration) and replaces the foreign cache
     calls = []
 

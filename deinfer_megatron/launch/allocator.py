@@ -1,0 +1,105 @@
+"""How a rank's C heap serves large tensors: kept in the heap, not mapped afresh at every use.
+
+PyTorch's CPU tensors come from glibc's ``malloc``. A block above its mmap threshold (128 KiB,
+raised automatically up to 32 MiB) is a fresh ``mmap`` that the kernel zero-fills page by page
+at first touch and unmaps again at ``free``. A decode step that allocates large temporaries
+pays that at every call: Megatron's unfused attention repeats K and V per query head and
+rotates the whole cached key (67 MB a layer at batch 8 × 2048 tokens on llama-1b-shape TP=2).
+Measured on this project's machines: one pass over a 67 MB tensor 184 ms with the default,
+27 ms with the block kept in the heap (65 538 page faults a call against none); the dense
+layout's decode step at that size 1219 → 384 ms, DeInfer's 219 → 147 ms (docs/BENCHMARKS.md).
+Whether a process pays it otherwise depends on its heap's history — so the calibration that
+prices the layouts and the ranks that run them would disagree.
+
+``configure()`` sets both thresholds with ``mallopt`` when a process of this project starts
+(the command on every rank, and ``parallel.runtime.init_parallel``): no environment before
+``exec`` is needed, so it holds under torchrun, the DeepSpeed launcher, Slurm and our own
+spawn alike. It is bounded: blocks above ``MMAP_THRESHOLD`` (a prefill's score matrices) are
+still mapped and returned, and at most ``TRIM_THRESHOLD`` of free memory stays at the top of
+the heap. A user's own choice wins: glibc's variables (``MALLOC_MMAP_THRESHOLD_``,
+``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``), another allocator preloaded (jemalloc,
+tcmalloc), or ``DEINFER_MEGATRON_MALLOC=system``, which keeps glibc's defaults.
+
+``state()`` names what is in force; the cost table records it (``planning.cost_model.TableKey``)
+so that a table timed under one allocator state never prices a job run under another.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import platform
+
+log = logging.getLogger(__name__)
+
+ENV = "DEINFER_MEGATRON_MALLOC"  # "keep" (default) or "system"
+CHOICES = ("keep", "system")
+MMAP_THRESHOLD = 1 << 30  # blocks up to 1 GiB come from the heap and are reused
+TRIM_THRESHOLD = 512 << 20  # free memory kept at the heap's top before it is given back
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
+DEFAULT_STATE = f"keep mmap>{MMAP_THRESHOLD} trim>{TRIM_THRESHOLD}"  # what configure() sets by default
+_GLIBC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+_PRELOADED = ("jemalloc", "tcmalloc", "mimalloc")
+
+_state: str | None = None  # what configure() found or set, once per process
+
+
+def _choice() -> str:
+    value = os.environ.get(ENV, "keep").strip().lower() or "keep"
+    if value not in CHOICES:
+        raise ValueError(f"{ENV}={os.environ[ENV]!r} is not one of {', '.join(CHOICES)}; "
+                         f"unset it (keep large blocks in the heap) or set it to 'system' (glibc's defaults)")
+    return value
+
+
+def _user_choice() -> str | None:
+    """The allocator setting the user made before this process started, if any."""
+    preload = os.environ.get("LD_PRELOAD", "")
+    for name in _PRELOADED:
+        if name in preload:
+            return f"preloaded {name}"
+    chosen = [v for v in _GLIBC_VARIABLES if os.environ.get(v)]
+    if chosen:
+        return "glibc " + " ".join(f"{v}={os.environ[v]}" for v in chosen)
+    return None
+
+
+def _glibc() -> ctypes.CDLL | None:
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def configure() -> str:
+    """Keep large blocks in this process's heap (bounded) unless the user chose otherwise;
+    return ``state()``. Idempotent: the first call decides for the whole process."""
+    global _state
+    if _state is not None:
+        return _state
+    choice = _choice()
+    user = _user_choice()
+    libc = _glibc()
+    if user is not None:
+        _state = user
+    elif choice == "system":
+        _state = "system"
+    elif libc is None:
+        _state = f"system ({platform.system()} {platform.libc_ver()[0] or 'libc'}: no glibc mallopt)"
+    elif (libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1
+          or libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1):
+        _state = "system (glibc refused mallopt)"
+        log.warning("glibc refused the allocator thresholds; large temporaries are mapped afresh at each use")
+    else:
+        _state = DEFAULT_STATE
+    log.debug("allocator: %s", _state)
+    return _state
+
+
+def state() -> str:
+    """What serves this process's large blocks (``configure()`` runs first if it has not)."""
+    return configure()
