@@ -27,10 +27,8 @@ so that a table timed under one allocator state never prices a job run under ano
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
-import platform
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +64,19 @@ def _user_choice() -> str | None:
     return None
 
 
-def _glibc() -> ctypes.CDLL | None:
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
+def _keep_large_blocks() -> str:
+    """Set both thresholds in glibc; the state that holds afterwards. The process's own symbols
+    (``CDLL(None)``, as ``parallel.shm`` and ``launch.lifetime`` load libc) tell glibc by
+    ``gnu_get_libc_version`` — no ``find_library`` subprocess or scan of the interpreter's binary
+    at every command's start."""
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
+        return "system (not glibc: no mallopt)"
+    if (libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1
+            or libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1):
+        log.warning("glibc refused the allocator thresholds; large temporaries are mapped afresh at each use")
+        return "system (glibc refused mallopt)"
+    return DEFAULT_STATE
 
 
 def configure() -> str:
@@ -83,19 +87,12 @@ def configure() -> str:
         return _state
     choice = _choice()
     user = _user_choice()
-    libc = _glibc()
     if user is not None:
         _state = user
     elif choice == "system":
         _state = "system"
-    elif libc is None:
-        _state = f"system ({platform.system()} {platform.libc_ver()[0] or 'libc'}: no glibc mallopt)"
-    elif (libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1
-          or libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1):
-        _state = "system (glibc refused mallopt)"
-        log.warning("glibc refused the allocator thresholds; large temporaries are mapped afresh at each use")
     else:
-        _state = DEFAULT_STATE
+        _state = _keep_large_blocks()
     log.debug("allocator: %s", _state)
     return _state
 
