@@ -31,19 +31,22 @@ def texts(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def decomposed(smollm2: Path, texts: dict[str, Path], tmp_path_factory) -> dict[str, Path]:
+    """The four decompositions, two at a time in their own processes (one thread each, as the
+    suite runs): each is seconds of float64 SVDs per layer, 4-5 minutes one after another."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     root = tmp_path_factory.mktemp("smollm2")
     runs = {
         "svd": dict(method="svd"),
+        "svd-llm-variadic": dict(method="svd-llm", allocation="variadic"),  # the longest: started first
         "asvd": dict(method="asvd", sequential=False),
         "svd-llm": dict(method="svd-llm"),
-        "svd-llm-variadic": dict(method="svd-llm", allocation="variadic"),
     }
-    return {
-        name: run_decompose(DecomposeJob(
-            smollm2, ratio=0.8, calib_text=texts["calibration"], calib_tokens=CALIB_TOKENS, calib_seq_len=256,
-            out=root / name, **kw))
-        for name, kw in runs.items()
-    }
+    jobs = [DecomposeJob(smollm2, ratio=0.8, calib_text=texts["calibration"], calib_tokens=CALIB_TOKENS,
+                         calib_seq_len=256, out=root / name, **kw) for name, kw in runs.items()]
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return dict(zip(runs, pool.map(run_decompose, jobs)))
 
 
 def ppl(model: Path, text: Path, **kw) -> float:
