@@ -2,8 +2,14 @@
 streaming copy for memory bandwidth, and all-reduce / all-gather between two forked processes
 over the shared-memory transport the job's local ranks use (``parallel.shm``).
 
-Each rate is the best of a few repetitions, because a shared machine only ever adds time: the
-fastest run is the closest to what the hardware does. Latency and bandwidth of a collective are
+The grid's rates and the copy bandwidth are the best of a few repetitions: they bound a step
+(``bench --roofline``), and a shared machine only ever adds time, so the fastest run is the
+closest to what the hardware does. What predicts a step is timed as the step meets it, typical
+rather than best: the matrix products and attention per shape are the median of ``ROUNDS``
+passes (``measure_shapes``), as ``bench`` reports the median step — on the 2-core development
+machine the fastest of 60 passes of a batch-8 product was 0.68-0.70 of their median, and a
+table of fastest-of-two passes predicted a llama-1b-shape TP=2 step at 0.69 of its measured
+median. Latency and bandwidth of a collective are
 the line through its time at a small and a large message — each time the median of calls made
 with cold caches (``CacheFlush`` before each): in a decode step every collective follows a block
 that streamed its weights through the caches. How much that costs depends on the machine and on
@@ -17,7 +23,7 @@ Matrix products are timed per shape as a plan needs them (``measure_shapes``): e
 its weights from memory, as a decode step does (a model's weights on one rank outgrow the
 last-level cache, which two ranks also share): the weights are views at successive offsets of a
 pool larger than the last-level cache, so a view was last touched a whole pool ago. The pool is
-filled once per call of ``measure_shapes``; each (shape, rows) then costs two passes over it.
+filled once per call of ``measure_shapes``; each (shape, rows) then costs ``ROUNDS`` passes over it.
 The attention over a decode step's cache is timed alike (``measure_attention``): each core as
 its block calls it, K/V views cycled through a pool past the last-level cache.
 """
@@ -132,7 +138,7 @@ def last_level_cache_bytes() -> int:
 
 
 MAX_POOL = 1 << 30  # bytes: the pool never exceeds this, whatever the cache reports
-ROUNDS = 2  # passes per (shape, rows), one per round over all of them; the fastest is kept
+ROUNDS = 5  # passes per (shape, rows) or attention case, one per round over all of them; the median is kept
 MAX_CALLS = 512  # per pass: small weights cycle over a part of the pool (they fit a cache anyway)
 
 
@@ -147,7 +153,7 @@ def _product(gemm: Gemm) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def measure_shapes(dtype: str, needs: Iterable[tuple[Gemm, int]], *, threads: int) -> dict[Gemm, list[list[float]]]:
     """Per shape, ``[rows, seconds]`` of each requested row count, weights from memory (module
-    docstring): the fastest of ``ROUNDS`` passes, each the mean over its calls, the rounds going
+    docstring): the median of ``ROUNDS`` passes, each the mean over its calls, the rounds going
     over every case in turn so that the passes of one case lie seconds apart."""
     torch.set_num_threads(threads)
     wanted: dict[Gemm, set[int]] = {}
@@ -172,7 +178,7 @@ def measure_shapes(dtype: str, needs: Iterable[tuple[Gemm, int]], *, threads: in
         for rows in sorted(row_counts):
             x = torch.randn(*((gemm.count,) if gemm.count > 1 else ()), rows, gemm.k).to(t)
             cases.append((gemm, rows, _product(gemm), x, views))
-    best: dict[tuple[Gemm, int], float] = {}
+    passes: dict[tuple[Gemm, int], list[float]] = {}
     with torch.no_grad():
         for _ in range(ROUNDS):  # rounds over every case: a burst of load elsewhere hits one only
             for gemm, rows, op, x, views in cases:
@@ -181,11 +187,10 @@ def measure_shapes(dtype: str, needs: Iterable[tuple[Gemm, int]], *, threads: in
                 start = time.perf_counter()
                 for w in views:
                     op(x, w)
-                seconds = (time.perf_counter() - start) / len(views)
-                best[gemm, rows] = min(best.get((gemm, rows), float("inf")), seconds)
+                passes.setdefault((gemm, rows), []).append((time.perf_counter() - start) / len(views))
     out: dict[Gemm, list[list[float]]] = {}
-    for (gemm, rows), seconds in sorted(best.items()):
-        out.setdefault(gemm, []).append([float(rows), seconds])
+    for (gemm, rows), seconds in sorted(passes.items()):
+        out.setdefault(gemm, []).append([float(rows), statistics.median(seconds)])
     return out
 
 
@@ -194,7 +199,7 @@ def measure_attention(dtype: str, cases: Iterable[tuple[Attend, int, int]], *,
     """Per attend, ``[batch, context, seconds]`` of each (attend, batch, context): one decode
     token's attention through the real core (``layers.core_attention.standalone_core``) over
     K/V views ``[context, batch, kv_heads, d]`` of a pool 1.5 times the last-level cache (at most
-    ``MAX_CALLS`` views, two at least), the fastest of ``ROUNDS`` passes' means."""
+    ``MAX_CALLS`` views, two at least), the median of ``ROUNDS`` passes' means."""
     from deinfer_megatron.layers.core_attention import standalone_core
 
     torch.set_num_threads(threads)
@@ -212,7 +217,7 @@ def measure_attention(dtype: str, cases: Iterable[tuple[Attend, int, int]], *,
             views = [(pool[(2 * i) * half:(2 * i + 1) * half].view(shape),
                       pool[(2 * i + 1) * half:(2 * i + 2) * half].view(shape)) for i in range(copies)]
             q = torch.randn(1, batch, attend.heads, attend.head_dim).to(t)
-            best = float("inf")
+            passes = []
             with standalone_core(attend, t) as core:
                 for k, v in views[-2:]:
                     core(q, k, v)  # warm-up on the pass's last views: its first are the least recent
@@ -220,8 +225,8 @@ def measure_attention(dtype: str, cases: Iterable[tuple[Attend, int, int]], *,
                     start = time.perf_counter()
                     for k, v in views:
                         core(q, k, v)
-                    best = min(best, (time.perf_counter() - start) / len(views))
-            out.setdefault(attend, []).append([float(batch), float(context), best])
+                    passes.append((time.perf_counter() - start) / len(views))
+            out.setdefault(attend, []).append([float(batch), float(context), statistics.median(passes)])
             del pool, views
     return out
 

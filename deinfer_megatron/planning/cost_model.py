@@ -56,7 +56,7 @@ from deinfer_megatron.layers.costs import Attend, Gemm
 
 log = logging.getLogger(__name__)
 
-FORMAT = 5  # 2: framework overhead per TP size; 3: matrix products timed per shape; 4: collectives and fixed times with cold caches; 5: attention timed per context (and left out of the fixed times). Bump when the table's fields or their meaning change: older caches are ignored
+FORMAT = 6  # 2: framework overhead per TP size; 3: matrix products timed per shape; 4: collectives and fixed times with cold caches; 5: attention timed per context (and left out of the fixed times); 6: fixed times with the ranks lined up before each block, rounds interleaved; products and attention the median of their passes, not the fastest. Bump when the table's fields or their meaning change: older caches are ignored
 GEMM_DTYPES = ("float32", "bfloat16")
 
 

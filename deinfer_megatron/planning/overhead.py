@@ -6,15 +6,18 @@ a fraction of one: the step is Python, Megatron's module glue, and each collecti
 Python beyond its transport's latency. That time hardly depends on the model's size, so it is
 measured where nothing else is left: two tiny LLaMA-shaped models (``SIZES``), every layout, run
 on ``tp`` local ranks exactly as a job runs them (``spawn_local``, the job's transport), a short
-greedy decode each (the generation loop in small, ``_time_stage``), timed per decode step with forward hooks on every layer and on its
-attention and MLP blocks (hooks time; they issue nothing), each block after a cache flush, as a
-real model's block follows one that streamed its weights (``BlockTimer``). Per step, per rank:
+greedy decode each (the generation loop in small, ``_decode``), timed per decode step with
+forward hooks on every layer and on its attention and MLP blocks (hooks time; they issue
+nothing), each block after a cache flush, as a real model's block follows one that streamed its
+weights, and a barrier, as the previous block's collective lines the ranks up (``BlockTimer``);
+every (size, layout) decoded ``ROUNDS`` times, interleaved (``time_stages``). Per step, per rank:
 
 - a block's time is one call of it (the mean over layers);
 - a layer's own time is the layer's call minus its two blocks (norms, residual adds);
 - the outside is the step minus its layers (embedding, final norm, output layer, sampling, loop).
 
-Each is the median over the decode steps (the statistic ``bench`` reports), the slowest rank's.
+Each is the median over the decode steps (the statistic ``bench`` reports), then over the rounds,
+the slowest rank's.
 From each the cost model's own price at that size is taken away (GEMM, attention, collectives'
 latency and bandwidth: ``planning.auto``), and the remainder is extrapolated linearly in the
 block's parameters per rank to zero size — what is left at no size at all is the fixed cost. It
@@ -42,6 +45,7 @@ SIZES = ({**_LLAMA, "hidden_size": 64, "intermediate_size": 176},
 RATIO = 0.6  # parameters kept: every block decomposed, ranks as in the bench's synthetic models
 PROMPT, NEW_TOKENS = 8, 16
 PARTS = ("attention", "mlp", "layer", "outside")
+ROUNDS = 3  # timed decodes of every (size, layout), interleaved (``time_stages``)
 
 
 @dataclass(frozen=True)
@@ -61,13 +65,23 @@ class BlockTimer:
     left out of every part: each block then starts with the caches as cold as in a step of a
     model whose blocks stream more than a core's caches hold (at the calibration's tiny sizes
     everything would otherwise stay cached, and the Python of a block, its collectives' calls
-    included, would be priced at its hot-cache cost: 10-40 % less per block in a side-by-side run)."""
+    included, would be priced at its hot-cache cost: 10-40 % less per block in a side-by-side run).
 
-    def __init__(self, layers: Any, flush: Callable[[], float] | None = None) -> None:
+    ``sync`` (a barrier of the TP ranks), when given, runs after the flush and is left out too:
+    every rank then enters the block together, as in a real step, where the previous block's
+    collective has just lined them up. Without it a rank whose flush ran longer kept its peer
+    waiting inside the block's first collective, and that wait (the flush's jitter, not the
+    framework) was priced as fixed time, more of it the more collectives a layout makes: five
+    calibrations in a row gave a llama-1b-shape step's fixed part 9.2-17.4 ms in DeInfer and
+    naive 2.2 ms dearer on average (9.8-14.5 ms and 0.9 ms with the barrier and ``ROUNDS``)."""
+
+    def __init__(self, layers: Any, flush: Callable[[], Any] | None = None,
+                 sync: Callable[[], Any] | None = None) -> None:
         self.layers = list(layers)
         self.flush = flush
+        self.sync = sync
         self.calls: dict[str, float] = {p: 0.0 for p in ("attention", "mlp", "layer")}
-        self.flushed = 0.0  # seconds of flushing inside the layers since the last mark
+        self.flushed = 0.0  # seconds of flushing and syncing inside the layers since the last mark
         self.steps: list[dict[str, float]] = []
         self._open: dict[int, float] = {}
         self._mark: float | None = None
@@ -82,14 +96,25 @@ class BlockTimer:
         self._open[id(module)] = time.perf_counter()
 
     def _enter_block(self, module: Any, args: Any) -> None:
+        start = time.perf_counter()
         if self.flush is not None:
-            self.flushed += self.flush()
+            self.flush()
+        if self.sync is not None:
+            self.sync()
+        self.flushed += time.perf_counter() - start
         self._enter(module, args)
 
     def _leave(self, name: str) -> Any:
         def hook(module: Any, args: Any, output: Any) -> None:
             self.calls[name] += time.perf_counter() - self._open.pop(id(module))
         return hook
+
+    def reset(self) -> None:
+        """Forget the steps: a new decode starts (its prefill is not a step)."""
+        self.steps.clear()
+        self.calls = {p: 0.0 for p in self.calls}
+        self.flushed = 0.0
+        self._mark = None
 
     def step_mark(self) -> None:
         now = time.perf_counter()
@@ -111,8 +136,9 @@ class BlockTimer:
         return {p: statistics.median(s[p] for s in steps) for p in PARTS}
 
 
-def _time_stage(stage: Any, batch: int = 1) -> dict[str, float]:
-    """Greedy decode of ``NEW_TOKENS`` tokens after a ``PROMPT``-token prefill, timed per step.
+def _decode(stage: Any, timer: BlockTimer, batch: int) -> dict[str, float]:
+    """Greedy decode of ``NEW_TOKENS`` tokens after a ``PROMPT``-token prefill, timed per step:
+    ``timer``'s medians.
 
     The loop is ``generation.loop``'s in small (prefill, then per step: the next tokens as Python
     ints, a one-token forward through Megatron's static inference context) — that package
@@ -122,29 +148,50 @@ def _time_stage(stage: Any, batch: int = 1) -> dict[str, float]:
     from megatron.core.inference.contexts.static_context import StaticInferenceContext
 
     from deinfer_megatron.models.pipeline import broadcast_from_last_stage, stage_forward
-    from deinfer_megatron.planning.calibrate import CacheFlush
 
-    timer = BlockTimer(stage.model.decoder.layers, flush=CacheFlush())
     prompts = torch.tensor([[3 + (i * 7 + j) % 200 for j in range(PROMPT)] for i in range(batch)])
     like = torch.zeros(batch, dtype=torch.long)
-    try:
-        for _ in range(2):  # the first run warms up; the second is measured
-            timer.steps.clear()
-            timer._mark = None
-            context = StaticInferenceContext(batch, PROMPT + NEW_TOKENS)
-            pos = torch.arange(PROMPT).expand_as(prompts)
-            logits = stage_forward(stage, prompts, pos, inference_context=context)
-            context.sequence_len_offset += PROMPT
-            for step in range(PROMPT, PROMPT + NEW_TOKENS):
-                last = logits[:, -1].argmax(-1) if logits is not None else None
-                chosen = broadcast_from_last_stage(stage, last, like).tolist()
-                timer.step_mark()
-                ids = torch.tensor(chosen).view(batch, 1)
-                logits = stage_forward(stage, ids, torch.full((batch, 1), step), inference_context=context)
-                context.sequence_len_offset += 1
-    finally:
-        timer.close()
+    timer.reset()
+    context = StaticInferenceContext(batch, PROMPT + NEW_TOKENS)
+    pos = torch.arange(PROMPT).expand_as(prompts)
+    logits = stage_forward(stage, prompts, pos, inference_context=context)
+    context.sequence_len_offset += PROMPT
+    for step in range(PROMPT, PROMPT + NEW_TOKENS):
+        last = logits[:, -1].argmax(-1) if logits is not None else None
+        chosen = broadcast_from_last_stage(stage, last, like).tolist()
+        timer.step_mark()
+        ids = torch.tensor(chosen).view(batch, 1)
+        logits = stage_forward(stage, ids, torch.full((batch, 1), step), inference_context=context)
+        context.sequence_len_offset += 1
     return timer.medians()
+
+
+def time_stages(stages: dict[str, Any], *, rounds: int = ROUNDS, batch: int = 1,
+                sync: Callable[[], Any] | None = None) -> dict[str, dict[str, float]]:
+    """Each stage's parts: every stage decoded once to warm up, then ``rounds`` times in turn,
+    the order rotated each round, and each part the median over the rounds.
+
+    Interleaved, so that a drift of the machine (its clock, a neighbour's load, the heap warming)
+    spreads over every layout and size instead of landing on whichever was measured last: the
+    choice between layouts rests on their differences, which are fractions of a millisecond a
+    block. Every rank makes the same calls in the same order (``sync`` is a collective)."""
+    from deinfer_megatron.planning.calibrate import CacheFlush
+
+    flush = CacheFlush()
+    timers = {k: BlockTimer(stage.model.decoder.layers, flush=flush, sync=sync) for k, stage in stages.items()}
+    keys = list(stages)
+    got: dict[str, list[dict[str, float]]] = {k: [] for k in keys}
+    try:
+        for r in range(rounds + 1):  # round 0 warms up
+            shift = r % len(keys)
+            for k in keys[shift:] + keys[:shift]:
+                medians = _decode(stages[k], timers[k], batch)
+                if r:
+                    got[k].append(medians)
+    finally:
+        for timer in timers.values():
+            timer.close()
+    return {k: {p: statistics.median(m[p] for m in runs) for p in PARTS} for k, runs in got.items()}
 
 
 def _model(size: dict[str, Any]) -> tuple[Any, Any, dict[str, int]]:
@@ -160,6 +207,7 @@ def _model(size: dict[str, Any]) -> tuple[Any, Any, dict[str, int]]:
 def overhead_worker(job: OverheadJob) -> dict[str, dict[str, float]]:
     """On each rank: ``"<size>/<layout>"`` → the medians of every part (seconds)."""
     import torch
+    import torch.distributed as dist
 
     from deinfer_megatron.models.build import build_stage, load_weights
     from deinfer_megatron.models.synthetic import random_state
@@ -167,19 +215,19 @@ def overhead_worker(job: OverheadJob) -> dict[str, dict[str, float]]:
 
     torch.set_num_threads(job.threads)
     groups = init_parallel(job.tp, 1)
-    out = {}
     try:
         with torch.no_grad():
+            stages = {}
             for s, size in enumerate(SIZES):
                 arch, rank_config, ranks = _model(size)
                 state = random_state(arch, ranks)
                 for layout in job.layouts:
                     stage = build_stage(arch, rank_config, layout, groups)
                     load_weights(stage, state, rank_config)
-                    out[f"{s}/{layout}"] = _time_stage(stage)
+                    stages[f"{s}/{layout}"] = stage
+            return time_stages(stages, sync=dist.barrier)
     finally:
         shutdown()
-    return out
 
 
 def required_gemms(tp: int) -> set[tuple[Any, int]]:
@@ -261,7 +309,7 @@ def fit(table: CostTable, tp: int, measured: dict[str, dict[str, float]]) -> dic
 
 
 def measure_overhead(table: CostTable, tp: int, *, timeout_s: float = 300.0) -> dict[str, Any]:
-    """``table``'s overhead entry for TP ``tp``, measured on ``tp`` local ranks (~10-20 s)."""
+    """``table``'s overhead entry for TP ``tp``, measured on ``tp`` local ranks (~15-25 s)."""
     from deinfer_megatron.launch.local import spawn_local
 
     job = OverheadJob(tp, table.key.threads, _layouts(tp))

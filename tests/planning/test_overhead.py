@@ -108,10 +108,11 @@ def test_cache_of_the_previous_format_is_ignored(tmp_path, monkeypatch) -> None:
     del old["overhead"]
     path = cache_path(key, tmp_path)
     path.write_text(json.dumps(old))
-    assert cost_model.FORMAT == 5 and load_cached(path, key) is None
+    assert cost_model.FORMAT == 6 and load_cached(path, key) is None
     # nor is a complete format-3 table (its collectives and fixed times were timed with hot
-    # caches) or format-4 one (its fixed times hold the attention, now timed on its own)
-    for old_format in (3, 4):
+    # caches), format-4 one (its fixed times hold the attention, now timed on its own) or
+    # format-5 one (its fixed times hold the waits for a peer still flushing its caches)
+    for old_format in (3, 4, 5):
         stale = cache_path(key, tmp_path / f"format{old_format}")
         cost_model.save(replace(params_only(), key=replace(key, format=old_format), overhead=zero_overhead(2)), stale)
         assert load_cached(stale, key) is None
@@ -140,9 +141,9 @@ def test_calibration_on_two_ranks() -> None:
     assert sum(values) > 0, "a step has framework time"
 
 
-def test_block_timer_leaves_the_cache_flush_out(monkeypatch) -> None:
-    """On a clock that only the modules move: the flush before every block (100 s each) is in no
-    part, and every part is what its modules spent."""
+def test_block_timer_leaves_the_cache_flush_and_the_barrier_out(monkeypatch) -> None:
+    """On a clock that only the modules move: the flush (100 s) and the barrier (40 s) before
+    every block are in no part, and every part is what its modules spent."""
     import torch
 
     clock = [0.0]
@@ -172,8 +173,11 @@ def test_block_timer_leaves_the_cache_flush_out(monkeypatch) -> None:
         clock[0] += 100.0
         return 100.0
 
+    def sync() -> None:
+        clock[0] += 40.0
+
     layers = [Layer(), Layer()]
-    timer = overhead.BlockTimer(layers, flush=flush)
+    timer = overhead.BlockTimer(layers, flush=flush, sync=sync)
     for _ in range(2):
         timer.step_mark()
         clock[0] += 7.0  # embedding, sampling
@@ -185,3 +189,31 @@ def test_block_timer_leaves_the_cache_flush_out(monkeypatch) -> None:
     timer.close()
     assert timer.steps == [{"attention": 3.0, "mlp": 5.0, "layer": 0.75, "outside": 8.0}] * 2
     assert timer.medians() == {"attention": 3.0, "mlp": 5.0, "layer": 0.75, "outside": 8.0}
+
+
+def test_time_stages_interleaves_rounds_and_takes_their_median(monkeypatch) -> None:
+    """After one warm-up decode of every stage, ``ROUNDS`` rounds with the order rotated each
+    round (so drift does not land on one layout), and each part the median over the rounds."""
+    calls: list[str] = []
+    seconds = {"a": iter([9.0, 1.0, 3.0, 2.0]), "b": iter([9.0, 5.0, 4.0, 6.0]), "c": iter([9.0, 7.0, 7.0, 8.0])}
+
+    def decode(stage, timer, batch):
+        calls.append(stage)
+        t = next(seconds[stage])
+        return {p: t for p in overhead.PARTS}
+
+    class Stage:
+        class model:
+            class decoder:
+                layers = []
+
+    monkeypatch.setattr(overhead, "_decode", lambda stage, timer, batch: decode(stage.name, timer, batch))
+    stages = {}
+    for name in "abc":
+        stage = Stage()
+        stage.name = name
+        stages[name] = stage
+    got = overhead.time_stages(stages, rounds=3)
+    assert calls == list("abc" "bca" "cab" "abc")
+    assert got == {"a": dict.fromkeys(overhead.PARTS, 2.0), "b": dict.fromkeys(overhead.PARTS, 5.0),
+                   "c": dict.fromkeys(overhead.PARTS, 7.0)}
