@@ -42,8 +42,9 @@ def bench(tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dict]:
     tmp = tmp_path_factory.mktemp("bench")
-    # one batch size (each cell is a fresh launch, ~7 s): the grid over batches is make_cells'
-    # (test_the_grid_is_every_combination_in_a_stable_order); batch 2, so that one token per row is not one token per step
+    # one batch size (each cell is a fresh launch, ~7 s; the grid over batches is make_cells',
+    # test_the_grid_is_every_combination_in_a_stable_order), and 2, so that a step's tokens per
+    # collective (the batch) differ from the tokens per row
     proc, doc = bench(tmp, "--synthetic", "llama-tiny", "--tp", "1,2", "--batch", "2", "--gen-len", str(GEN_LEN),
                       "--layouts", "dense,naive,deinfer", "--json", "out.json", "--markdown", "out.md",
                       "--plot", "out.png")
