@@ -130,3 +130,14 @@ def test_host_table_times_missing_attention_once(tmp_path, monkeypatch) -> None:
     assert load_cached(cache_path(key, tmp_path), key) == table, "cached for the next job"
     cost_model.host_table(tp=2, threads=1, root=tmp_path, attention=need)
     assert len(timed) == 1, "a timed case is not timed again"
+
+
+def test_measured_attention_keeps_the_median_pass(monkeypatch) -> None:
+    """As for the products: the median of the passes, not the fastest."""
+    from tests.planning.test_gemm_shapes import PassClock
+
+    case = (Attend(SDPA, 4, 2, 16), 2, 64)
+    monkeypatch.setattr(calibrate.time, "perf_counter", PassClock([3.0] * 5))
+    even = calibrate.measure_attention("float32", {case}, threads=1)
+    monkeypatch.setattr(calibrate.time, "perf_counter", PassClock([5.0, 1.0, 3.0, 9.0, 2.0]))
+    assert calibrate.measure_attention("float32", {case}, threads=1) == even

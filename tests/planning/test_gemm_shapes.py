@@ -120,3 +120,32 @@ def test_measure_shapes_times_every_call_kind() -> None:
     for g in shapes:
         assert [r[0] for r in got[g]] == [1.0, 64.0]
         assert all(math.isfinite(t) and 0 < t < 0.1 for _, t in got[g]), got[g]
+
+
+class PassClock:
+    """A ``perf_counter`` for code that reads it twice per pass (start, end): pass i lasts
+    ``durations[i % len]`` seconds, whatever the calls inside it did."""
+
+    def __init__(self, durations: list[float]) -> None:
+        self.durations, self.now, self.reads = durations, 0.0, 0
+
+    def __call__(self) -> float:
+        if self.reads % 2:  # an end: the pass's scripted length
+            self.now += self.durations[(self.reads // 2) % len(self.durations)]
+        self.reads += 1
+        return self.now
+
+
+@pytest.mark.parametrize("durations", [[5.0, 1.0, 3.0, 9.0, 2.0], [3.0, 1.0, 9.0, 2.0, 5.0]])
+def test_measure_shapes_keeps_the_median_pass(durations, monkeypatch) -> None:
+    """Five passes per (shape, rows) and their median kept: the typical pass a decode step meets,
+    not the fastest (a table of fastest passes predicted the median step at 0.54-0.70). Scripted
+    passes of the same median give the time of five passes of exactly that length."""
+    from deinfer_megatron.planning import calibrate
+
+    g = Gemm(64, 32)
+    monkeypatch.setattr(calibrate.time, "perf_counter", PassClock([3.0] * 5))
+    even = calibrate.measure_shapes("float32", {(g, 8)}, threads=1)[g]
+    monkeypatch.setattr(calibrate.time, "perf_counter", PassClock(durations))
+    got = calibrate.measure_shapes("float32", {(g, 8)}, threads=1)[g]
+    assert calibrate.ROUNDS == 5 and got == even and even[0][1] > 0
