@@ -8,8 +8,8 @@ closest to what the hardware does. What predicts a step is timed as the step mee
 rather than best: the matrix products and attention per shape are the median of ``ROUNDS``
 passes (``measure_shapes``), as ``bench`` reports the median step — on the 2-core development
 machine the fastest of 60 passes of a batch-8 product was 0.68-0.70 of their median, and a
-table of fastest-of-two passes predicted a llama-1b-shape TP=2 step at 0.69 of its measured
-median. Latency and bandwidth of a collective are
+table of fastest-of-two passes predicted a llama-1b-shape TP=2 step at 0.54-0.70 of its
+measured median, depending on the layout. Latency and bandwidth of a collective are
 the line through its time at a small and a large message — each time the median of calls made
 with cold caches (``CacheFlush`` before each): in a decode step every collective follows a block
 that streamed its weights through the caches. How much that costs depends on the machine and on
