@@ -80,11 +80,9 @@ class BlockTimer:
         self.layers = list(layers)
         self.flush = flush
         self.sync = sync
-        self.calls: dict[str, float] = {p: 0.0 for p in ("attention", "mlp", "layer")}
-        self.flushed = 0.0  # seconds of flushing and syncing inside the layers since the last mark
         self.steps: list[dict[str, float]] = []
         self._open: dict[int, float] = {}
-        self._mark: float | None = None
+        self.reset()
         self._handles = []
         for layer in self.layers:
             for name, module in (("layer", layer), ("attention", layer.self_attention), ("mlp", layer.mlp)):
@@ -112,9 +110,9 @@ class BlockTimer:
     def reset(self) -> None:
         """Forget the steps: a new decode starts (its prefill is not a step)."""
         self.steps.clear()
-        self.calls = {p: 0.0 for p in self.calls}
-        self.flushed = 0.0
-        self._mark = None
+        self.calls: dict[str, float] = {p: 0.0 for p in ("attention", "mlp", "layer")}
+        self.flushed = 0.0  # seconds of flushing and syncing inside the layers since the last mark
+        self._mark: float | None = None
 
     def step_mark(self) -> None:
         now = time.perf_counter()
