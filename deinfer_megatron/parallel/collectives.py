@@ -3,11 +3,14 @@
 ``Collectives.AUTO`` (the default of every command): on a CPU (gloo) job, the ranks of a
 tensor-parallel group that share a node talk through a shared-memory segment
 (``parallel.shm``); when the group also spans nodes the collectives are hierarchical — the local
-sum or gather in shared memory, then one process-group collective between the ranks of the same
-local index on each node (every local rank holds the node's result, so no broadcast is needed).
-A group with one rank per node, an NCCL job (tensors on GPUs) or an unsupported machine keeps
-torch.distributed. ``Collectives.PROCESS_GROUP`` keeps torch.distributed for every group
-(``--collectives process-group``).
+sum or gather in shared memory, then one collective between the ranks of the same local index on
+each node (every local rank holds the node's result, so no broadcast is needed). What crosses
+nodes — a group with one rank per node, or the cross-node step of a hierarchical one —
+all-reduces as one all-gather and a local sum (``parallel.exchange``: one round of messages
+where gloo's ring all-reduce makes two at two nodes). An NCCL job (tensors on GPUs), a group
+whose ranks are not in equal per-node blocks, or an unsupported machine keeps torch.distributed.
+``Collectives.PROCESS_GROUP`` keeps torch.distributed for every group (``--collectives
+process-group``).
 
 A *node* is a machine and network namespace (hostname, boot id, ``/proc/self/ns/net``): ranks in
 two namespaces of one machine count as two nodes, which is how the two-namespace tests emulate a
@@ -26,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from deinfer_megatron.parallel import comm, shm
+from deinfer_megatron.parallel import comm, exchange, shm
 
 log = logging.getLogger(__name__)
 
@@ -85,26 +88,26 @@ class GroupShape:
 
 
 class Hierarchical:
-    """Local shared memory, then the cross-node process group of this local index."""
+    """Local shared memory, then the cross-node collective of this local index."""
 
     def __init__(self, local: shm.ShmCollectives, cross: dist.ProcessGroup) -> None:
-        self.local, self.cross = local, cross
+        self.local, self.cross = local, exchange.GatherSum(cross)
 
     def all_reduce(self, x: torch.Tensor) -> None:
         self.local.all_reduce(x)
-        dist.all_reduce(x, group=self.cross)
+        self.cross.all_reduce(x)
 
     def all_gather(self, out: torch.Tensor, x: torch.Tensor) -> None:
         node = torch.empty((self.local.size * x.shape[0], *x.shape[1:]), dtype=x.dtype)
         self.local.all_gather(node, x)
-        comm._all_gather_flat(out, node, group=self.cross)
+        self.cross.all_gather(out, node)
 
 
 @dataclass
 class Installed:
     """What ``install`` set up, for ``uninstall``; ``kind`` says what carries the group's
-    collectives: "shared-memory", "hierarchical" (shared memory, then across nodes) or
-    "process-group"."""
+    collectives: "shared-memory", "hierarchical" (shared memory, then across nodes),
+    "gather-sum" (one rank per node, ``parallel.exchange``) or "process-group"."""
 
     group: dist.ProcessGroup | None = None
     segment: shm.ShmCollectives | None = None
@@ -125,13 +128,21 @@ def install(tp_group: dist.ProcessGroup, mode: Collectives, *, timeout_s: float,
             "name": shm.new_segment_name(), "ok": shm.supported()}
     every: list[dict] = [{}] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    if not all(e["ok"] for e in every):
-        return Installed()
+    shared = all(e["ok"] for e in every)  # the same answer on every rank
     rank = dist.get_rank()
     installed = Installed()
     for ranks in sorted({tuple(e["tp"]) for e in every}):  # the same order on every rank
         shape = GroupShape.of([every[r]["key"] for r in ranks])
-        if shape is None or shape.local == 1 or len(ranks) == 1:
+        if shape is None or len(ranks) == 1:
+            continue
+        if shape.local == 1:  # one rank per node: nothing to share, only the link to cross
+            if rank in ranks:
+                comm.use_transport(tp_group, exchange.GatherSum(tp_group))
+                installed = Installed(tp_group, None, "gather-sum")
+                _LIVE.append(installed)
+                log.info("tensor-parallel collectives: all-reduce as all-gather + sum between %d nodes", len(ranks))
+            continue
+        if not shared:
             continue
         cross = None
         if shape.nodes > 1:  # every rank creates every cross group, in the same order
@@ -139,21 +150,28 @@ def install(tp_group: dist.ProcessGroup, mode: Collectives, *, timeout_s: float,
                 g = dist.new_group([ranks[i * shape.local + j] for i in range(shape.nodes)])
                 if rank in ranks and ranks.index(rank) % shape.local == j:
                     cross = g
-        if rank not in ranks:
-            continue
-        index = ranks.index(rank)
-        first = index - index % shape.local
-        names = [f"tensor-parallel rank {i} (global rank {ranks[i]})" for i in range(first, first + shape.local)]
-        segment = shm.ShmCollectives(every[ranks[first]]["name"], index % shape.local, shape.local,
-                                     create=index == first, slot_bytes=slot_bytes, timeout_s=timeout_s, names=names)
-        if index == first:
-            segment.unlink()  # every member has mapped it: nothing is left in /dev/shm
-        dist.barrier(group=tp_group)  # ... by the time any member goes on
-        comm.use_transport(tp_group, segment if cross is None else Hierarchical(segment, cross))
-        installed = Installed(tp_group, segment, "shared-memory" if cross is None else "hierarchical")
-        _LIVE.append(installed)
-        log.info("tensor-parallel collectives: shared memory among %d local ranks%s", shape.local,
-                 "" if cross is None else f", then over {shape.nodes} nodes")
+        if rank in ranks:
+            installed = _share(tp_group, list(ranks), shape, every, cross, slot_bytes, timeout_s)
+    return installed
+
+
+def _share(tp_group: dist.ProcessGroup, ranks: list[int], shape: GroupShape, every: list[dict],
+           cross: dist.ProcessGroup | None, slot_bytes: int, timeout_s: float) -> Installed:
+    """Map this node's segment of ``tp_group`` (this rank is in ``ranks``) and route the group
+    through it, hierarchically over ``cross`` when the group spans nodes."""
+    index = ranks.index(dist.get_rank())
+    first = index - index % shape.local
+    names = [f"tensor-parallel rank {i} (global rank {ranks[i]})" for i in range(first, first + shape.local)]
+    segment = shm.ShmCollectives(every[ranks[first]]["name"], index % shape.local, shape.local,
+                                 create=index == first, slot_bytes=slot_bytes, timeout_s=timeout_s, names=names)
+    if index == first:
+        segment.unlink()  # every member has mapped it: nothing is left in /dev/shm
+    dist.barrier(group=tp_group)  # ... by the time any member goes on
+    comm.use_transport(tp_group, segment if cross is None else Hierarchical(segment, cross))
+    installed = Installed(tp_group, segment, "shared-memory" if cross is None else "hierarchical")
+    _LIVE.append(installed)
+    log.info("tensor-parallel collectives: shared memory among %d local ranks%s", shape.local,
+             "" if cross is None else f", then over {shape.nodes} nodes")
     return installed
 
 

@@ -16,7 +16,12 @@ measures in its ranks) and prices ``auto`` cells and ``--predict`` with those ra
 
 ``--rate`` is unlimited, 10gbit or 1gbit (tc tbf; no added delay: netem is not available), or
 ``local``: no namespaces, the bench's own local runner, with ``--collectives`` choosing shared
-memory (``auto``, the default) or gloo (``process-group``) between the two local ranks.
+memory (``auto``, the default) or gloo (``process-group``) between the two local ranks; across
+the namespaces ``--collectives`` chooses all-reduces as all-gather + sum (``auto``) or gloo's own collectives.
+
+``--transports MAX_ELEMENTS`` measures no cells: the latency of one all-reduce and one all-gather
+per element count across the link, gather + sum against gloo (``bench.transports`` in
+the two namespaces; ``--repeats`` rounds of 20 calls, medians).
 """
 
 from __future__ import annotations
@@ -50,14 +55,23 @@ import json, os, sys
 from deinfer_megatron.parallel.runtime import init_parallel, shutdown
 from deinfer_megatron.parallel.topology import TPView
 from deinfer_megatron.planning.agree import measure_tp_collectives
-groups = init_parallel(2, 1)
+groups = init_parallel(2, 1, collectives=sys.argv[1])
 try:
     link = measure_tp_collectives(TPView(groups.tp_rank, 2, groups.pg_collection.tp), groups.device)
 finally:
     shutdown()
-tmp = sys.argv[1] + ".tmp"
+tmp = sys.argv[2] + ".tmp"
 open(tmp, "w").write(json.dumps(link))
-os.replace(tmp, sys.argv[1])
+os.replace(tmp, sys.argv[2])
+"""
+
+_TRANSPORTS = """
+import json, os, sys
+from deinfer_megatron.bench.transports import SIZES, worker
+result = worker(tuple(n for n in SIZES if n <= int(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3]))
+tmp = sys.argv[4] + ".tmp"
+open(tmp, "w").write(json.dumps(result))
+os.replace(tmp, sys.argv[4])
 """
 
 
@@ -97,15 +111,22 @@ class Pair:
         return results
 
 
-def measure_link(pair: Pair) -> dict[str, list[float]]:
+def measure_link(pair: Pair, collectives: str = "auto") -> dict[str, list[float]]:
     """The TP group's collectives across the link (``planning.agree.measure_tp_collectives``, what
     a launched ``--layout auto`` job measures in its ranks): what ``auto`` and ``--predict`` price."""
-    return json.loads(pair.run(_LINK)[0].read_text())
+    return json.loads(pair.run(_LINK, collectives)[0].read_text())
 
 
-def namespace_runner(pair: Pair) -> Any:
+def transports_across(pair: Pair, max_elements: int, rounds: int, iters: int) -> dict[str, Any]:
+    """``bench.transports`` with one rank per namespace: the transport ``auto`` installs across the
+    link (all-reduce as all-gather + sum) against gloo's own collectives, rank 0's medians."""
+    return json.loads(pair.run(_TRANSPORTS, str(max_elements), str(rounds), str(iters))[0].read_text())
+
+
+def namespace_runner(pair: Pair, collectives: str = "auto") -> Any:
     """A ``bench.matrix`` runner that starts rank r of a TP=2 cell in namespace r; an ``auto`` cell
-    runs the plan priced with ``grid.collectives`` (the link's measured rates)."""
+    runs the plan priced with ``grid.collectives`` (the link's measured rates). ``collectives``:
+    all-reduce as all-gather + sum across the link (``auto``) or gloo's own (``process-group``)."""
     from deinfer_megatron.bench.matrix import cell_layout, random_prompts
     from deinfer_megatron.bench.measure import CellJob
 
@@ -115,7 +136,8 @@ def namespace_runner(pair: Pair) -> Any:
         layout = cell_layout(cell, source, grid.gen_len, grid.collectives)
         job = CellJob(source.folder_for(layout), layout, cell.kv_cache, cell.tp, cell.batch,
                       cell.prompt_len, grid.gen_len, grid.repeats,
-                      random_prompts(source.arch.vocab_size, cell.batch, cell.prompt_len, grid.seed))
+                      random_prompts(source.arch.vocab_size, cell.batch, cell.prompt_len, grid.seed),
+                      collectives=collectives)
         job_file = pair.scratch / f"cell{pair.count + 1}.job"
         job_file.write_bytes(pickle.dumps(job))
         return [pickle.loads(path.read_bytes()) for path in pair.run(_RANK, str(job_file))]
@@ -161,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--synthetic", default="llama-tiny")
     p.add_argument("--ratio", type=float, default=0.6)
     p.add_argument("--rate", choices=(*netns.RATES, "local"), default="1gbit")
-    p.add_argument("--collectives", choices=("auto", "process-group"), default="auto", help="--rate local only")
+    p.add_argument("--collectives", choices=("auto", "process-group"), default="auto",
+                   help="what carries the TP collectives: shared memory (local) or all-gather + sum "
+                        "(across the link), or gloo's own")
     p.add_argument("--layouts", default="naive,deinfer")
     p.add_argument("--batch", default="8")
     p.add_argument("--prompt-len", default="128")
@@ -170,11 +194,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--predict", action="store_true",
                    help="the cost model's step beside every cell, priced with the link's measured collectives")
     p.add_argument("--json", type=Path)
+    p.add_argument("--transports", type=int, metavar="MAX_ELEMENTS",
+                   help="instead of bench cells: collective latency per element count across the link, "
+                        "gather + sum against gloo (bench.transports), up to MAX_ELEMENTS")
     a = p.parse_args(argv)
     reason = netns.unavailable() if a.rate != "local" else None
     if reason:
         print(f"error: {reason}", file=sys.stderr)
         return 2
+    if a.transports is not None and a.rate == "local":
+        print("error: --transports measures across the namespaces; for local ranks run "
+              "python -m deinfer_megatron.bench.transports", file=sys.stderr)
+        return 2
+    if a.transports is not None:
+        from deinfer_megatron.bench.transports import markdown
+
+        with netns.two_nodes(netns.RATES[a.rate]) as nodes, tempfile.TemporaryDirectory(prefix="deinfer-netns-") as work:
+            result = transports_across(Pair(nodes, Path(work)), a.transports, a.repeats, 20)
+        print(f"link {a.rate}, {a.repeats} rounds of 20 calls, median µs per collective")
+        print(markdown(result), end="")
+        if a.json is not None:
+            report.write_atomic(a.json, json.dumps(result, indent=1))
+        return 0
     grid = matrix.BenchGrid(synthetic=a.synthetic, ratio=a.ratio,
                             layouts=tuple(x if x == AUTO else Layout.parse(x) for x in a.layouts.split(",")),
                             kv_caches=(CacheKind.FULL,), tps=(2,),
@@ -190,16 +231,16 @@ def main(argv: list[str] | None = None) -> int:
             with netns.two_nodes(netns.RATES[a.rate]) as nodes:
                 pair = Pair(nodes, scratch)
                 if AUTO in grid.layouts or a.predict:
-                    grid = replace(grid, collectives=measure_link(pair))
+                    grid = replace(grid, collectives=measure_link(pair, a.collectives))
                     print("the link's collectives: " + ", ".join(
                         f"{k} {v[0] * 1e6:.0f} us + {v[1] / 1e9:.3f} GB/s" for k, v in grid.collectives.items()))
-                records = matrix.run_matrix(grid, source, runner=namespace_runner(pair), progress=False)
+                records = matrix.run_matrix(grid, source, runner=namespace_runner(pair, a.collectives), progress=False)
         records = [report.summarize(r) if r.status is CellStatus.OK else r for r in records]
         if AUTO in grid.layouts or a.predict:  # priced while the model is on disk (the plans read it)
             records = profiled_and_predicted(replace(grid, predict=a.predict), source, records)
     records, comparisons = report.compare(records)
     print("TP=2 on this machine, collectives " + a.collectives if a.rate == "local"
-          else f"TP=2 across two network namespaces, link {a.rate}")
+          else f"TP=2 across two network namespaces, link {a.rate}, collectives {a.collectives}")
     print(report.text_table(records))
     for c in comparisons:
         print(f"batch {c.batch} ctx {c.prompt_len}: deinfer {c.deinfer_tokens_per_s:.1f} tok/s, "

@@ -106,7 +106,7 @@ def test_tp2_across_two_namespaces_gives_the_hugging_face_tokens(tmp_path) -> No
         assert p.returncode == 0, err[-3000:]
     doc = json.loads(outs[0][0])
     assert outs[1][0].strip() == "", "only rank 0 reports"
-    assert doc["tp"] == 2 and doc["collectives"] == "process-group"  # no local peer to share memory with
+    assert doc["tp"] == 2 and doc["collectives"] == "gather-sum"  # no local peer: all-reduce as gather + sum across the link
     assert doc["outputs"][0]["token_ids"] == expected
     print(f"cross-namespace TP=2 generate: {time.monotonic() - started:.1f} s")
 
