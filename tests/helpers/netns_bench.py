@@ -17,7 +17,8 @@ measures in its ranks) and prices ``auto`` cells and ``--predict`` with those ra
 ``--rate`` is unlimited, 10gbit or 1gbit (tc tbf; no added delay: netem is not available), or
 ``local``: no namespaces, the bench's own local runner, with ``--collectives`` choosing shared
 memory (``auto``, the default) or gloo (``process-group``) between the two local ranks; across
-the namespaces ``--collectives`` chooses all-reduces as all-gather + sum (``auto``) or gloo's own collectives.
+the namespaces ``--collectives`` chooses all-reduces as all-gather + sum (``auto``) or gloo's
+own collectives.
 
 ``--transports MAX_ELEMENTS`` measures no cells: the latency of one all-reduce and one all-gather
 per element count across the link, gather + sum against gloo (``bench.transports`` in
@@ -66,12 +67,11 @@ os.replace(tmp, sys.argv[2])
 """
 
 _TRANSPORTS = """
-import json, os, sys
+import json, sys
+from deinfer_megatron.bench.report import write_atomic
 from deinfer_megatron.bench.transports import SIZES, worker
 result = worker(tuple(n for n in SIZES if n <= int(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3]))
-tmp = sys.argv[4] + ".tmp"
-open(tmp, "w").write(json.dumps(result))
-os.replace(tmp, sys.argv[4])
+write_atomic(sys.argv[4], json.dumps(result))
 """
 
 
@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.transports is not None and a.rate == "local":
         print("error: --transports measures across the namespaces; for local ranks run "
               "python -m deinfer_megatron.bench.transports", file=sys.stderr)
+        return 2
+    if a.transports is not None and (a.transports < 1 or a.repeats < 1):
+        print("error: --transports and --repeats must be at least 1", file=sys.stderr)
         return 2
     if a.transports is not None:
         from deinfer_megatron.bench.transports import markdown

@@ -5,9 +5,9 @@ One launch of four real ranks: two-rank groups give exactly gloo's bits for ever
 shape the layers use (a sum of two is one addition either way); the four-rank group's
 all-gather is exactly gloo's, its all-reduce gives the same bits on every rank, within three
 roundings of the exact (float64) sum, and exactly gloo's for integers and above ``LARGE_BYTES``
-(where gloo's ring carries it); a tiny model's logits at TP=4 match gloo's in every layout. ``install`` chooses
-it for a group with one rank per node, and hierarchical collectives cross the nodes by
-it — node keys planted per rank emulate the nodes. In two spawned ranks: a peer that exits
+(where gloo's ring carries it); a tiny model's logits at TP=4 match gloo's in every layout.
+``install`` chooses it for a group with one rank per node, and hierarchical collectives cross
+the nodes by it — node keys planted per rank emulate the nodes. In two spawned ranks: a peer that exits
 ends the next all-reduce with one line naming the group's global ranks.
 """
 
@@ -23,11 +23,11 @@ import torch
 
 from deinfer_megatron.parallel import exchange
 from tests.helpers.distributed import run_ranks
-from tests.parallel.test_shm import DTYPES, SHAPES, _equal_to_gloo, _value
+from tests.parallel.test_shm import DTYPES, SHAPES, _equal_to_gloo, _logits_both_ways, _value
 
 
 def _four_ranks(group: Any) -> dict[str, Any]:
-    """Exchange against gloo over a group of four ranks."""
+    """Gather + sum against gloo over a group of four ranks."""
     import torch.distributed as dist
 
     ex = exchange.GatherSum(group)
@@ -60,8 +60,6 @@ def _four_ranks(group: Any) -> dict[str, Any]:
 
 def _logits_at_tp4(groups: Any) -> dict[str, float]:
     """Max |gather-sum − gloo| of a tiny decomposed llama's logits, per layout."""
-    from tests.parallel.test_shm import _logits_both_ways
-
     ex = exchange.GatherSum(groups.pg_collection.tp)
     return _logits_both_ways(groups, ex)
 
