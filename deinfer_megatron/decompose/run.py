@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from deinfer_megatron.decompose.allocation import BREAK_EVEN_FRACTION, blocks, layer_of, uniform_allocation, variadic_ranks
 from deinfer_megatron.decompose.calibration import InputStats, LayerRunner, capture, collect
-from deinfer_megatron.decompose.factorize import ASVD_ALPHA, prepare
+from deinfer_megatron.decompose.factorize import ASVD_ALPHA, Scaling, prepare, scaling, spectrum, truncation_loss
 from deinfer_megatron.arch.model import ModelArch
 
 log = logging.getLogger(__name__)
@@ -52,10 +52,11 @@ def _groups(arch: ModelArch, layer: int) -> list[list[str]]:
     return [[attn["q"], attn["k"], attn["v"]], [attn["o"]], [mlp["gate"], mlp["up"]], [mlp["down"]]]
 
 
-def _stats_args(method: str, stats: InputStats | None, alpha: float = ASVD_ALPHA) -> dict[str, Any]:
-    if method == "svd" or stats is None:
-        return {}
-    return {"gram": stats.gram, "abs_mean": stats.abs_mean, "alpha": alpha}
+def _scaling(method: str, stats: InputStats | None, alpha: float = ASVD_ALPHA) -> Scaling:
+    """The method's scaling of one group's input (asvd and svd-llm fail without statistics)."""
+    if stats is None:
+        return scaling(method, alpha=alpha)
+    return scaling(method, gram=stats.gram, abs_mean=stats.abs_mean, alpha=alpha)
 
 
 def _layer_stats(
@@ -89,9 +90,9 @@ def measure_losses(
             energy = sum(h.double().pow(2).sum().item() for h in hidden) / sum(h[..., 0].numel() for h in hidden)
             stats, hidden = _layer_stats(runner, layer, hidden, _groups(arch, layer), modules)
         for group in groups:
+            scale = _scaling(method, stats.get(group[0]), alpha)
             for name in group:
-                prepared = prepare(modules[name].weight, method, **_stats_args(method, stats.get(name), alpha))
-                losses[name] = prepared.truncation_loss() / energy
+                losses[name] = truncation_loss(spectrum(modules[name].weight, scale)) / energy
     return losses
 
 
@@ -140,11 +141,10 @@ def decompose_model(
             if runner is not None and hidden is not None and plan.sequential:
                 first = group[0]
                 stats = collect(runner, layer, hidden, {first: modules[first]}, stop_after=first)[first]
+            scale = _scaling(plan.method, stats, plan.asvd_alpha)
             for name in group:
                 lin = modules[name]
-                u, v = prepare(lin.weight, plan.method, **_stats_args(plan.method, stats, plan.asvd_alpha)).factors(
-                    ranks[name], dtype=lin.weight.dtype
-                )
+                u, v = prepare(lin.weight, scale).factors(ranks[name], dtype=lin.weight.dtype)
                 factors[name] = (u, v)
                 with torch.no_grad():
                     lin.weight.copy_(u @ v)

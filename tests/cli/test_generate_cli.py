@@ -5,17 +5,15 @@ are in tests/robustness.)"""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers.cli import run_cli, run_cli_together
 from tests.helpers.tiny_models import full_rank_folders
 
-CLI = [sys.executable, "-m", "deinfer_megatron.cli.main"]
 PROMPTS = ["It is a truth universally acknowledged", "Emma Woodhouse, handsome, clever"]
 
 
@@ -35,8 +33,7 @@ def models(tmp_path_factory) -> dict:
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    return run_cli(args, env, timeout)
 
 
 def generate_args(model: Path, *extra: str) -> list[str]:
@@ -111,8 +108,8 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path: Path) -> None:
          "TP×PP = 1 but the deepspeed launcher started 2 ranks"),
         (["generate", "--model", str(models["dec"]), "--prompt", "Hi", "--tp", "3"], {}, "valid TP sizes: 1, 2, 4, 8"),
     ]
-    for args, env, message in cases:
-        proc = cli(*args, env=env, timeout=120)
+    procs = run_cli_together([(args, env) for args, env, _ in cases], timeout=120)
+    for (args, _, message), proc in zip(cases, procs):
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], (args[-2:], proc.stderr[-2000:])
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from deinfer_megatron.checkpoints.folder import FORMAT, MANIFEST
 from deinfer_megatron.cli.main import run
 from deinfer_megatron.files.checksums import sha256
+from tests.helpers.cli import run_cli_together
 from tests.helpers.tiny_models import TINY_CONFIGS
 
 
@@ -52,9 +51,7 @@ def test_bad_inputs_are_one_line_errors(model_dir, tmp_path) -> None:
         (["plan", "--model", str(model_dir), "--pp", "5"], "--pp 5 must be between 1 and"),
         (["plan", "--model", str(model_dir), "--rank-config", str(tmp_path / "x.json")], "does not exist"),
     ]
-    for argv, message in cases:
-        proc = subprocess.run([sys.executable, "-m", "deinfer_megatron.cli.main", *argv],
-                              capture_output=True, text=True)
+    for (_, message), proc in zip(cases, run_cli_together([(argv, {}) for argv, _ in cases])):
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], proc.stderr
