@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -107,6 +109,27 @@ def kv_slots(job: ServeJob, bytes_per_token: int, tokens_per_slot: int) -> int:
     return min(job.max_batch, fits)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """Rank 0's HTTP socket, bound before the ranks join: gloo's sockets (and the launcher's)
+    take ports from the same ephemeral range, so a port bound only once the model has loaded can
+    be taken in between — and a port already in use is reported now, not after the load."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as err:
+        raise RuntimeError(f"could not serve on {host}:{port} ({err.strerror}); choose another --host") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart over TIME_WAIT
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as err:
+        sock.close()
+        raise RuntimeError(f"could not serve on {host}:{port} ({err.strerror}); choose another --port") from None
+    sock.set_inheritable(False)
+    return sock
+
+
 class _Lead:
     """Rank 0: the scheduler, the HTTP thread, and the loop that feeds both."""
 
@@ -140,7 +163,8 @@ class _Lead:
             return list(self.tokenizer.apply_chat_template(completion.messages, add_generation_prompt=True,
                                                            tokenize=True, return_dict=True)["input_ids"])
 
-    def start_http(self) -> None:
+    def start_http(self, sock: socket.socket) -> None:
+        """uvicorn on ``sock`` (bound by ``listen``) in a thread of its own."""
         import uvicorn
 
         from deinfer_megatron.serving.http import ServerState, build_app
@@ -151,13 +175,12 @@ class _Lead:
         config = uvicorn.Config(build_app(state), host=self.job.host, port=self.job.port, log_level="warning",
                                 lifespan="off", timeout_graceful_shutdown=10)
         self.http = uvicorn.Server(config)
-        thread = threading.Thread(target=self.http.run, name="http", daemon=True)
+        thread = threading.Thread(target=self.http.run, kwargs={"sockets": [sock]}, name="http", daemon=True)
         thread.start()
         deadline = time.monotonic() + 30
         while not self.http.started:
             if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"could not serve on {self.job.host}:{self.job.port} (is the port in use?); "
-                                   "choose another --port")
+                raise RuntimeError(f"the HTTP server on {self.job.host}:{self.job.port} did not start")
             time.sleep(0.05)
         self.thread = thread
         port = self.http.servers[0].sockets[0].getsockname()[1]
@@ -197,7 +220,14 @@ def _rank(job: ServeJob) -> dict[str, Any] | None:
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
 
     par = job.parallel
-    groups = init_parallel(par.tp, par.pp)
+    # every launch path has set RANK by now (launch.run); the lead binds before gloo opens sockets
+    sock = listen(job.host, job.port) if int(os.environ.get("RANK", "0")) == 0 else None
+    try:
+        groups = init_parallel(par.tp, par.pp)
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
     previous = signal.getsignal(signal.SIGTERM)
     try:
         stage = load_folder(job.model, par.layout, groups, dtype=job.dtype.torch, verify=False)  # validate() verified
@@ -219,8 +249,9 @@ def _rank(job: ServeJob) -> dict[str, Any] | None:
                 runner.run(plan)
             return None
         try:
+            assert sock is not None, "global rank 0 is the launcher's RANK 0"
             lead = _Lead(job, runner, slots, tokens_per_slot, slots * slot_bytes)
-            lead.start_http()
+            lead.start_http(sock)
         except BaseException:
             exchange_plan(StepPlan(stop=True), stage.device)  # the other ranks stop, not time out
             raise
@@ -236,6 +267,8 @@ def _rank(job: ServeJob) -> dict[str, Any] | None:
                 "kv_cache_bytes": slots * slot_bytes, "drained": True}
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if sock is not None:
+            sock.close()
         shutdown()
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import socket
 
 import pytest
 
 from deinfer_megatron.cli.main import run
+from deinfer_megatron.launch.local import free_port
 from tests.helpers.tiny_models import full_rank_folders
 
 
@@ -42,6 +44,31 @@ def test_bad_serve_input_is_one_line(folders) -> None:
         "serve", "--model", str(dec), "--max-seq-len", "4096")
     assert "--port must be between" in one_line_error("serve", "--model", str(dec), "--port", "70000")
     assert "--kv-budget-gb must be" in one_line_error("serve", "--model", str(dec), "--kv-budget-gb", "-1")
+
+
+def test_the_port_is_held_before_the_ranks_join_and_a_busy_one_is_one_line(folders, monkeypatch) -> None:
+    """The HTTP port is bound before gloo opens its sockets (which could take it while the model
+    loads), released when the job ends, and a port in use is one line before any rank joins."""
+    from deinfer_megatron.parallel import runtime
+
+    _, dec = folders
+    port, seen = free_port(), {}
+
+    def joined(*args, **kwargs):
+        with socket.socket() as probe:
+            seen["listening"] = probe.connect_ex(("127.0.0.1", port)) == 0
+        raise RuntimeError("the ranks would join here")
+
+    monkeypatch.setattr(runtime, "init_parallel", joined)
+    assert "the ranks would join here" in one_line_error("serve", "--model", str(dec), "--port", str(port))
+    assert seen == {"listening": True}
+    with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # not refused over the probe's TIME_WAIT
+        busy.bind(("127.0.0.1", port))  # released by the job that failed
+        busy.listen()
+        line = one_line_error("serve", "--model", str(dec), "--port", str(port))
+    assert f"could not serve on 127.0.0.1:{port} (Address already in use); choose another --port" in line
+    assert seen == {"listening": True}, "a busy port fails before the ranks join"
 
 
 def test_bad_loadgen_input_is_one_line() -> None:
