@@ -251,6 +251,12 @@ def markdown(doc: BenchDocument) -> str:
         lines += ["", "## Roofline", "", f"Copy bandwidth {machine['copy_gbps']:.2f} GB/s (read + write); "
                   f"GEMM GFLOP/s (1 thread) {gemm}.", ""]
         lines += [f"- {line}" for line in roofline_lines(doc.cells)]
+        from deinfer_megatron.bench import roofline
+
+        table = roofline.transport_table(machine)
+        if table:
+            lines += ["", f"Collective latency per element count (float32, 2 ranks, µs per call, best of 3 rounds): "
+                      f"the installed transport ({machine['comm_transport']}) against gloo.", "", table.rstrip("\n")]
     from deinfer_megatron.bench import prediction, profile
 
     lines += prediction.markdown_lines(doc.cells) + profile.markdown_lines(doc.cells)

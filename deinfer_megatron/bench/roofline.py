@@ -4,7 +4,10 @@ Three measurements, all on two spawned ranks so that the collectives are gloo's 
 - copy bandwidth: one large float32 ``copy_`` (single thread), counted as bytes read + written;
 - GEMM rate: ``F.linear`` at decode shapes (batch × hidden by hidden × out), single thread;
 - collective latency: all-reduce and all-gather of 1 .. 1M elements (4× steps), 2 ranks, through
-  the same named operations the layers call (``parallel.comm``), copies and reshapes included.
+  the same named operations the layers call (``parallel.comm``), copies and reshapes included —
+  once through the transport the ranks install (shared memory between local ranks), which bounds
+  the step, and once with the group routed back to gloo (``gloo_latency_s``; None when gloo is
+  what was installed), so that every roofline shows what the transport saves per element count.
 
 A decode step reads every weight a rank holds (except the embedding table, of which it reads
 ``batch`` rows; a tied table is read in full by the output layer) and the KV cache so far, and
@@ -87,6 +90,11 @@ def _collective_s(kind: str, elements: int, tp: Any, iters: int) -> float:
     return best
 
 
+def _latency_curves(tp: Any, sizes: RooflineSizes) -> dict[str, dict[str, float]]:
+    return {kind: {str(n): _collective_s(kind, n, tp, sizes.iters) for n in sizes.comm_sizes}
+            for kind in ("all_reduce", "all_gather")}
+
+
 def machine_worker(sizes: RooflineSizes) -> dict[str, Any] | None:
     """Runs on each of 2 ranks; rank 0 returns the measurements."""
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
@@ -102,8 +110,15 @@ def machine_worker(sizes: RooflineSizes) -> dict[str, Any] | None:
                            for m, k, n in sizes.gemm_shapes]
         tp = TPView.of(groups.pg_collection.tp)
         comm.barrier(tp)
-        out["comm_latency_s"] = {kind: {str(n): _collective_s(kind, n, tp, sizes.iters) for n in sizes.comm_sizes}
-                                 for kind in ("all_reduce", "all_gather")}
+        out["comm_transport"] = groups.transport.kind
+        out["comm_latency_s"] = _latency_curves(tp, sizes)
+        installed, out["gloo_latency_s"] = comm.transport_of(tp.group), None
+        if installed is not None:
+            comm.use_transport(tp.group, None)
+            try:
+                out["gloo_latency_s"] = _latency_curves(tp, sizes)
+            finally:
+                comm.use_transport(tp.group, installed)
         out["comm_ranks"] = 2
     finally:
         shutdown()
@@ -116,6 +131,16 @@ def measure_machine(sizes: RooflineSizes) -> dict[str, Any]:
     result = spawn_local(2, machine_worker, sizes)[0]
     result["copy_bytes"] = sizes.copy_bytes
     return result
+
+
+def transport_table(machine: dict[str, Any]) -> str | None:
+    """Markdown: µs per collective and element count, the installed transport against gloo
+    (None when gloo itself was installed, or for a document written before gloo was measured)."""
+    from deinfer_megatron.bench.transports import markdown
+
+    if not machine.get("gloo_latency_s"):
+        return None
+    return markdown({machine["comm_transport"]: machine["comm_latency_s"], "gloo": machine["gloo_latency_s"]})
 
 
 def latency_s(curve: dict[str, float], elements: int) -> float:

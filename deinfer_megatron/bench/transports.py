@@ -49,7 +49,7 @@ def worker(sizes: tuple[int, ...], rounds: int, iters: int) -> dict[str, Any] | 
     groups = init_parallel(2, 1)
     try:
         tp = TPView.of(groups.pg_collection.tp)
-        chosen = comm._TRANSPORTS.get(tp.group)
+        chosen = comm.transport_of(tp.group)
         transports = {groups.transport.kind: chosen, "gloo": None} if chosen is not None else {"gloo": None}
         samples: dict[str, dict[str, dict[int, list[float]]]] = {
             t: {k: {n: [] for n in sizes} for k in KINDS} for t in transports}

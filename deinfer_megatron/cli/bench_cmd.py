@@ -200,6 +200,8 @@ def main(cfg: BenchConfig) -> int:
     print(report.text_table(doc.cells, doc.peers))
     for line in report.roofline_lines(doc.cells) + report.peer_ratio_lines(doc.peer_ratios):
         print(line)
+    if doc.roofline and (table := roofline.transport_table(doc.roofline)):
+        print(table, end="")
     failed = [r for r in doc.cells if r.status is CellStatus.ERROR]
     for r in failed:
         print(f"failed: {r.cell.label()}: {r.error}", file=sys.stderr)

@@ -172,6 +172,11 @@ def use_transport(group: dist.ProcessGroup, transport: Transport | None) -> None
         _TRANSPORTS[group] = transport
 
 
+def transport_of(group: dist.ProcessGroup) -> Transport | None:
+    """What carries ``group``'s all-reduces and all-gathers (None: torch.distributed itself)."""
+    return _TRANSPORTS.get(group)
+
+
 def _raw_all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> None:
     times = _TIMES.get()
     entered = time.perf_counter() if times is not None else 0.0

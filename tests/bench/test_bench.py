@@ -285,11 +285,12 @@ def test_latent_cache_skips_and_roofline_through_the_cli(tmp_path) -> None:
     assert machine["copy_gbps"] > 0 and all(g["gflops"] > 0 for g in machine["gemm"])
     assert bound["bound_s"] > 0 and bound["measured_over_bound"] > 0
     assert bound["collectives"] == full["collectives_per_token"] + 2  # + embedding and logits
-    documented = json.loads((DOCUMENTED / "llama-1b-target.json").read_text())
+    documented = json.loads((DOCUMENTED / "llama-1b-roofline.json").read_text())
     assert list(ok) == list(documented["cells"][0]) and list(bound) == list(documented["cells"][0]["roofline"])
     assert list(machine) == list(documented["roofline"])
     assert list(skipped) == ["layout", "kv_cache", "tp", "batch", "prompt_len", "gen_len", "repeats", "status", "reason"]
     assert "bound" in proc.stdout and "skipped" in proc.stdout
+    assert "| collective | elements | shared-memory µs | gloo µs | gloo ÷ shared-memory |" in proc.stdout
 
 
 def test_roofline_smoke_tiny_sizes() -> None:
@@ -300,6 +301,16 @@ def test_roofline_smoke_tiny_sizes() -> None:
         curve = m["comm_latency_s"][kind]
         assert set(curve) == {"1", "64", "4096"} and min(curve.values()) > 0
         assert roofline.latency_s(curve, 8) > 0 and roofline.latency_s(curve, 1 << 20) >= curve["4096"]
+        gloo = m["gloo_latency_s"][kind]  # the same sizes with the group routed back to gloo
+        assert set(gloo) == set(curve) and min(gloo.values()) > 0
+    assert m["comm_transport"] == "shared-memory"  # two local ranks
+    table = roofline.transport_table(m).splitlines()
+    assert table[0] == "| collective | elements | shared-memory µs | gloo µs | gloo ÷ shared-memory |"
+    assert table[2] == (f"| all_reduce | 1 | {m['comm_latency_s']['all_reduce']['1'] * 1e6:.1f} | "
+                        f"{m['gloo_latency_s']['all_reduce']['1'] * 1e6:.1f} | "
+                        f"{m['gloo_latency_s']['all_reduce']['1'] / m['comm_latency_s']['all_reduce']['1']:.1f}× |")
+    assert len(table) == 2 + 2 * 3
+    assert roofline.transport_table({**m, "gloo_latency_s": None}) is None, "gloo installed: nothing beside it"
     assert roofline.latency_s({"1": 1e-5, "100": 1e-3}, 10) == pytest.approx(1e-4)
 
 
