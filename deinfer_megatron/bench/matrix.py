@@ -19,6 +19,7 @@ import torch
 
 from deinfer_megatron.bench.records import Cell, CellRecord, CellStatus, PlanTotals, RankMeasurement
 from deinfer_megatron.bench.sources import ModelSource
+from deinfer_megatron.generation.prefill import DEFAULT_MAX_PREFILL_TOKENS, check_max_tokens
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.specs.layout import AUTO, Layout, LayoutPlan
 
@@ -44,6 +45,7 @@ class BenchGrid:
     gen_len: int = 32
     repeats: int = 3
     seed: int = 0
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS  # rows per prefill forward (generation.prefill)
     roofline: bool = False  # also measure this machine's rates and bound each decode step
     profile: bool = False  # split one decode step per rank into GEMM / waiting / collectives / rest
     predict: bool = False  # the cost model's step beside every cell's (always for auto cells)
@@ -84,7 +86,9 @@ class BenchConfig:
                 "markdown": path(o.markdown), "plot": path(o.plot), "roofline": g.roofline,
                 "cell_timeout_s": g.cell_timeout_s, "progress": o.progress,
                 # newer options appear only when asked for: earlier documents keep their keys
-                **({"profile": True} if g.profile else {}), **({"predict": True} if g.predict else {})}
+                **({"profile": True} if g.profile else {}), **({"predict": True} if g.predict else {}),
+                **({"max_prefill_tokens": g.max_prefill_tokens}
+                   if g.max_prefill_tokens != DEFAULT_MAX_PREFILL_TOKENS else {})}
         return {**args, "peers": [p.value for p in g.peers]} if g.peers else args
 
 
@@ -111,6 +115,7 @@ def check_config(cfg: BenchConfig) -> None:
         raise ValueError(f"--gen-len must be at least 2 (a decode step follows the first token), got {grid.gen_len}")
     if grid.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {grid.repeats}")
+    check_max_tokens(grid.max_prefill_tokens)
     if cfg.outputs.plot is not None:
         try:
             import matplotlib  # noqa: F401
@@ -185,7 +190,7 @@ def run_cell(cell: Cell, source: ModelSource, grid: BenchGrid) -> list[RankMeasu
     job = CellJob(source.folder_for(layout), layout, cell.kv_cache, cell.tp, cell.batch,
                   cell.prompt_len, grid.gen_len, grid.repeats,
                   random_prompts(source.arch.vocab_size, cell.batch, cell.prompt_len, grid.seed),
-                  profile=grid.profile)
+                  profile=grid.profile, max_prefill_tokens=grid.max_prefill_tokens)
     return spawn_local(cell.tp, cell_worker, job, timeout=grid.cell_timeout_s)
 
 

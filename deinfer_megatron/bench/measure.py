@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from deinfer_megatron.bench.records import DecodeStepComm, RankMeasurement, Sample
+from deinfer_megatron.generation.prefill import DEFAULT_MAX_PREFILL_TOKENS
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.parallel.collectives import Collectives
 from deinfer_megatron.specs.layout import Layout, LayoutPlan
@@ -40,6 +41,7 @@ class CellJob:
     prompts: tuple[tuple[int, ...], ...]  # batch × prompt_len random ids, the same on every rank
     collectives: Collectives = Collectives.AUTO  # what carries the TP collectives (parallel.collectives)
     profile: bool = False  # one more run, its first decode step profiled (bench.profile)
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS  # rows per prefill forward (generation.prefill)
 
 
 def _status_kb(field: str) -> int | None:
@@ -112,7 +114,8 @@ def _one_run(stage: Any, job: CellJob, context: Any, record: bool) -> tuple[Samp
     start = time.perf_counter()
     try:
         outputs, timing = generate_tokens(stage, [list(p) for p in job.prompts], max_new_tokens=job.gen_len,
-                                          params=SamplingParams(), context=context, on_token=probe.on_token)
+                                          params=SamplingParams(), context=context, on_token=probe.on_token,
+                                          max_prefill_tokens=job.max_prefill_tokens)
     finally:
         probe.close()
     new_tokens = sum(len(o.token_ids) for o in outputs)

@@ -22,6 +22,7 @@ from typing import Any, Callable, TypeVar
 from deinfer_megatron.bench.matrix import BenchConfig, BenchGrid, BenchOutputs
 from deinfer_megatron.bench.peers import Peer
 from deinfer_megatron.generation.options import latent_cache_layouts
+from deinfer_megatron.generation.prefill import DEFAULT_MAX_PREFILL_TOKENS
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.specs.layout import Layout, layout_option_names, parse_layout_option
 
@@ -77,6 +78,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=_ints("--batch"), default=(1, 8, 32), help="default 1,8,32")
     p.add_argument("--prompt-len", type=_ints("--prompt-len"), default=(128,), help="default 128")
     p.add_argument("--gen-len", type=int, default=32, help="new tokens per row (no EOS stop)")
+    p.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS,
+                   help=f"most prompt tokens (batch × positions) per prefill forward; longer prefills run in "
+                        f"chunks of positions (default {DEFAULT_MAX_PREFILL_TOKENS})")
     p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up; medians reported")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="every raw sample and the summaries")
@@ -109,8 +113,8 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
         layouts=_layouts(a.layouts),
         kv_caches=_members("--kv-cache", a.kv_cache, CacheKind.parse, CacheKind),
         tps=a.tp, batches=a.batch, prompt_lens=a.prompt_len, gen_len=a.gen_len, repeats=a.repeats,
-        seed=a.seed, roofline=a.roofline, profile=a.profile, predict=a.predict, cell_timeout_s=a.cell_timeout,
-        peers=peers)
+        seed=a.seed, max_prefill_tokens=a.max_prefill_tokens, roofline=a.roofline, profile=a.profile,
+        predict=a.predict, cell_timeout_s=a.cell_timeout, peers=peers)
     outputs = BenchOutputs(json=a.json, markdown=a.markdown, plot=a.plot, progress=not a.no_progress)
     return BenchConfig(grid, outputs)
 

@@ -12,6 +12,7 @@ from deinfer_megatron.cli.output import emit_json
 from deinfer_megatron.files.text import read_text
 from deinfer_megatron.generation.job import GenerateJob, prepare, run_generate
 from deinfer_megatron.generation.options import CacheOptions, DType, Engine, Parallelism
+from deinfer_megatron.generation.prefill import DEFAULT_MAX_PREFILL_TOKENS
 from deinfer_megatron.parallel.collectives import Collectives
 from deinfer_megatron.generation.sampling import SamplingParams
 from deinfer_megatron.launch.external import LAUNCHERS, run_under_launcher
@@ -54,6 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="latent cache: rebuild V instead of absorbing U_v after attention")
     p.add_argument("--kv-budget-gb", type=float, help="KV-cache memory per rank; sizes the slots")
     p.add_argument("--engine", type=parsed_by(Engine.parse), choices=names(Engine), default=Engine.MEGATRON)
+    p.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS,
+                   help="most prompt tokens (prompts × positions) per prefill forward; longer prefills run "
+                        f"in chunks of positions (default {DEFAULT_MAX_PREFILL_TOKENS})")
     p.add_argument("--own-loop", action="store_true", help="use the project's loop, not Megatron's engine")
     p.add_argument("--launcher", choices=("auto", *LAUNCHERS), default="auto",
                    help="auto: join the launcher that started us, or start the ranks ourselves")
@@ -93,7 +97,7 @@ def config_from_args(args: argparse.Namespace) -> GenerateConfig:
         parallel=Parallelism(tp=args.tp, pp=args.pp, layout=args.layout, collectives=args.collectives),
         cache=CacheOptions(kind=args.kv_cache, absorb_values=args.absorb, budget_gb=args.kv_budget_gb),
         engine=args.engine, own_loop=args.own_loop, dtype=args.dtype,
-        stream=len(prompts) == 1 and not args.json, verify=args.verify)
+        stream=len(prompts) == 1 and not args.json, verify=args.verify, max_prefill_tokens=args.max_prefill_tokens)
     return GenerateConfig(job=job, launcher=args.launcher, json=args.json,
                           rerun_argv=tuple(_without_launcher(list(getattr(args, "argv", ())))))
 

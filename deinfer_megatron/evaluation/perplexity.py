@@ -82,7 +82,8 @@ def _rank(job: PerplexityJob) -> dict:
             from deinfer_megatron.planning.preflight import check_fits
 
             job = replace(job, layout=plan_in_job(lambda link: auto_plan_for(job, link), mine, groups)[0])
-            check_fits(*open_config(job.model, verify=False), job.layout, tp=job.tp, pp=job.pp, dtype_bytes=4)
+            check_fits(*open_config(job.model, verify=False), job.layout, tp=job.tp, pp=job.pp, dtype_bytes=4,
+                       **forward_sizes(job))
         stage = load_folder(job.model, job.layout, groups, verify=False)  # evaluate() verified it
         if stage.layout.value == AUTO:  # as generate's ranks: a command that fails earlier prints one line
             log.info("--layout auto: %s", stage.layout.describe())
@@ -119,7 +120,13 @@ def auto_plan_for(job: PerplexityJob, collectives: dict[str, list[float]] | None
     arch, ranks = open_config(job.model, verify=False)  # evaluate() verifies
     work = Workload(tp=job.tp, batch=job.batch * job.window, context=job.window)
     return auto_plan(arch, ranks, work, collectives=collectives,
-                     fits=lambda plan: preflight.fits(arch, ranks, plan, tp=job.tp, pp=job.pp, dtype_bytes=4)).plan
+                     fits=lambda plan: preflight.fits(arch, ranks, plan, tp=job.tp, pp=job.pp, dtype_bytes=4,
+                                                      **forward_sizes(job))).plan
+
+
+def forward_sizes(job: PerplexityJob) -> dict[str, int]:
+    """A pass's forward for the memory check: ``batch`` windows, each its own context."""
+    return {"prefill_rows": job.batch * job.window, "context": job.window}
 
 
 def evaluate(job: PerplexityJob) -> dict | None:
@@ -137,7 +144,7 @@ def evaluate(job: PerplexityJob) -> dict | None:
                          f"{arch.max_positions} tokens; use --window {arch.max_positions} or less")
     if job.max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {job.max_tokens}")
-    sizes = dict(tp=job.tp, pp=job.pp, dtype_bytes=4)
+    sizes = dict(tp=job.tp, pp=job.pp, dtype_bytes=4, **forward_sizes(job))
     check_fits(arch, ranks, job.layout, **sizes)  # auto: under some candidate, before it is priced
     open_model(job.model, verify=job.verify)
     token_windows(job.model, job.text, job.max_tokens, job.window)

@@ -24,6 +24,7 @@ from deinfer_megatron.generation.options import (
     Parallelism,
     latent_cache_layouts,
 )
+from deinfer_megatron.generation.prefill import DEFAULT_MAX_PREFILL_TOKENS, check_max_tokens, largest_forward_rows
 from deinfer_megatron.generation.sampling import SamplingParams
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.specs.layout import AUTO
@@ -57,6 +58,7 @@ class GenerateJob:
     dtype: DType = DType.FLOAT32
     stream: bool = False  # print a single prompt's text as it is generated
     verify: bool = True  # False: a decomposed folder without its manifest (--no-verify)
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS  # rows per prefill forward (generation.prefill)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine", Engine.parse(self.engine))
@@ -114,6 +116,7 @@ def validate(job: GenerateJob, prompt_ids: list[list[int]]) -> None:
     if job.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {job.max_new_tokens}")
     job.cache.check_budget()
+    check_max_tokens(job.max_prefill_tokens)
     arch, ranks = open_config(job.model, verify=job.verify)
     if job.cache.kind is CacheKind.LATENT and not ranks.modules:
         raise ValueError(
@@ -126,7 +129,7 @@ def validate(job: GenerateJob, prompt_ids: list[list[int]]) -> None:
         from deinfer_megatron.planning.preflight import check_fits
 
         check_fits(arch, ranks, AUTO, tp=job.parallel.tp, pp=job.parallel.pp, dtype_bytes=job.dtype.itemsize,
-                   kv_tokens=len(prompt_ids) * needed, kv_cache=job.cache.kind)
+                   kv_cache=job.cache.kind, **memory_sizes(job, prompt_ids))
     else:
         check_layout(job, prompt_ids, arch, ranks)
     open_model(job.model, verify=job.verify)  # manifest, shapes
@@ -141,9 +144,17 @@ def check_layout(job: GenerateJob, prompt_ids: list[list[int]], arch: Any, ranks
     par = job.parallel
     if job.cache.kind is CacheKind.LATENT and not par.layout.supports_latent_cache:
         raise ValueError(f"--kv-cache latent needs --layout {latent_cache_layouts()} (whole latents on every rank)")
-    needed = max(map(len, prompt_ids)) + job.max_new_tokens
     check_fits(arch, ranks, par.layout, tp=par.tp, pp=par.pp, dtype_bytes=job.dtype.itemsize,
-               kv_tokens=len(prompt_ids) * needed, kv_cache=job.cache.kind)
+               kv_cache=job.cache.kind, **memory_sizes(job, prompt_ids))
+
+
+def memory_sizes(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, int]:
+    """What the memory check (``planning.preflight``) sizes besides the weights: KV tokens of
+    every slot, and the rows and keys of the largest prefill forward."""
+    needed = max(map(len, prompt_ids)) + job.max_new_tokens
+    shortest = min(map(len, prompt_ids))
+    return {"kv_tokens": len(prompt_ids) * needed, "context": shortest,
+            "prefill_rows": largest_forward_rows(len(prompt_ids), shortest, job.max_prefill_tokens)}
 
 
 def kv_bytes_per_token(stage: Any, kind: CacheKind) -> int:
@@ -220,7 +231,8 @@ def _rank(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, Any] | Non
         reporter = groups.global_rank == 0
         kwargs = dict(max_new_tokens=job.max_new_tokens, params=job.sampling, context=context,
                       eos_ids=eos, stop=_stop_check(tokenizer, job.stop),
-                      on_token=_streamer(tokenizer) if job.stream and reporter else None)
+                      on_token=_streamer(tokenizer) if job.stream and reporter else None,
+                      max_prefill_tokens=job.max_prefill_tokens)
         why_not = "--own-loop" if job.own_loop else engine_supports(job.sampling, eos)
         if why_not is None:
             outputs, timing = generate_with_engine(stage, prompt_ids, model=stage.runner, **kwargs)
@@ -287,7 +299,7 @@ def auto_plan_for(job: GenerateJob, prompt_ids: list[list[int]],
     work = Workload(tp=job.parallel.tp, batch=len(prompt_ids), context=context, dtype=job.dtype.value,
                     latent_cache=job.cache.kind is CacheKind.LATENT)
     sizes = dict(tp=job.parallel.tp, pp=job.parallel.pp, dtype_bytes=job.dtype.itemsize,
-                 kv_tokens=len(prompt_ids) * context, kv_cache=job.cache.kind)
+                 kv_cache=job.cache.kind, **memory_sizes(job, prompt_ids))
     return auto_plan(arch, ranks, work, collectives=collectives,
                      fits=lambda plan: preflight.fits(arch, ranks, plan, **sizes)).plan
 

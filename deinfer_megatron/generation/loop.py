@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from deinfer_megatron.generation.context import GenerationContext
+from deinfer_megatron.generation.prefill import DEFAULT_MAX_PREFILL_TOKENS, chunked_forward
 from deinfer_megatron.generation.sampling import SamplingParams, sample
 from deinfer_megatron.models.build import Stage
 from deinfer_megatron.models.pipeline import broadcast_from_last_stage, stage_forward
@@ -42,9 +43,10 @@ class Timing:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def _forward(stage: Stage, tokens: torch.Tensor, start: int, context: GenerationContext) -> torch.Tensor | None:
+def _forward(stage: Stage, tokens: torch.Tensor, start: int, context: GenerationContext,
+             mask: torch.Tensor | None = None) -> torch.Tensor | None:
     pos = torch.arange(start, start + tokens.shape[1], device=tokens.device).expand_as(tokens)
-    logits = stage_forward(stage, tokens, pos, inference_context=context)
+    logits = stage_forward(stage, tokens, pos, attention_mask=mask, inference_context=context)
     context.sequence_len_offset += tokens.shape[1]
     return None if logits is None else logits[:, -1]
 
@@ -67,8 +69,10 @@ def generate_tokens(
     eos_ids: frozenset[int] = frozenset(),
     stop: StopCheck | None = None,
     on_token: OnToken | None = None,
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
 ) -> tuple[list[Generated], Timing]:
-    """Generate for every prompt (token ids); identical on every rank."""
+    """Generate for every prompt (token ids); identical on every rank. The prefill forwards at
+    most ``max_prefill_tokens`` rows at a time (``prefill.py``)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     batch = len(prompts)
@@ -85,7 +89,8 @@ def generate_tokens(
 
     start = min(lengths)
     t0 = time.perf_counter()
-    logits = _forward(stage, tokens[:, :start], 0, context)
+    logits = chunked_forward(lambda lo, hi, mask: _forward(stage, tokens[:, lo:hi], lo, context, mask),
+                             0, start, batch, max_prefill_tokens, device)
     timing.prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for step in range(start, total):

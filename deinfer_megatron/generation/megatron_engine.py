@@ -35,7 +35,6 @@ from typing import Any, Sequence
 
 import torch
 from megatron.core.inference.inference_request import InferenceRequest
-from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
 from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
 from megatron.core.inference.sampling_params import SamplingParams as MegatronSampling
 from megatron.core.inference.text_generation_controllers.text_generation_controller import (
@@ -44,6 +43,7 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 
 from deinfer_megatron.generation.context import GenerationContext
 from deinfer_megatron.generation.loop import Generated, OnToken, StopCheck, Timing
+from deinfer_megatron.generation.prefill import DEFAULT_MAX_PREFILL_TOKENS, ChunkedPrefillWrapper
 from deinfer_megatron.generation.sampling import SamplingParams
 from deinfer_megatron.models.build import Stage
 
@@ -73,7 +73,7 @@ class ReportingController(TextGenerationController):
     every step.
 
     Args:
-        wrapper: the model inside Megatron's ``GPTInferenceWrapper``.
+        wrapper: the model inside Megatron's ``GPTInferenceWrapper`` (chunking its prefill).
         tokenizer: the ids the controller needs (``TokenIds``).
         prompt_lengths: tokens of each prompt, by row.
         stop: ``(row, generated ids) → stop now?``, checked after every token.
@@ -81,7 +81,7 @@ class ReportingController(TextGenerationController):
         seed: the sampling generator's seed.
     """
 
-    def __init__(self, wrapper: GPTInferenceWrapper, tokenizer: TokenIds, *, prompt_lengths: Sequence[int],
+    def __init__(self, wrapper: ChunkedPrefillWrapper, tokenizer: TokenIds, *, prompt_lengths: Sequence[int],
                  stop: StopCheck | None = None, on_token: OnToken | None = None, seed: int = 0) -> None:
         super().__init__(wrapper, tokenizer)
         self.sampling_rng.manual_seed(seed)  # instead of writing the shared model config's seed
@@ -136,6 +136,18 @@ def _megatron_sampling(params: SamplingParams, max_new_tokens: int, stops_on_eod
     return sampling
 
 
+def _wrapper_config(stage: Stage, context: GenerationContext) -> InferenceWrapperConfig:
+    """What Megatron's inference wrapper reads of the model and of the context's sizes."""
+    return InferenceWrapperConfig(
+        hidden_size=stage.arch.hidden_size,
+        params_dtype=stage.model.config.params_dtype,
+        inference_batch_times_seqlen_threshold=-1,
+        padded_vocab_size=stage.padded_vocab,
+        inference_max_requests=context.max_batch_size,
+        inference_max_seq_length=context.max_sequence_length,
+    )
+
+
 def generate_with_engine(
     stage: Stage,
     prompts: Sequence[Sequence[int]],
@@ -147,24 +159,18 @@ def generate_with_engine(
     stop: StopCheck | None = None,
     on_token: OnToken | None = None,
     model: Any = None,
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
 ) -> tuple[list[Generated], Timing]:
     """Generate with Megatron's controller; ``model`` overrides ``stage.model`` (e.g. a
-    DeepSpeed-Inference engine wrapping it)."""
+    DeepSpeed-Inference engine wrapping it). The prefill forwards at most ``max_prefill_tokens``
+    rows at a time (``prefill.py``)."""
     reason = engine_supports(params, eos_ids)
     if reason is not None:
         raise ValueError(reason)
     assert len(prompts) <= context.max_batch_size, "the context needs one slot per prompt"
     module = model if model is not None else stage.model
     eod = next(iter(eos_ids)) if eos_ids else stage.padded_vocab - 1
-    wrapper_config = InferenceWrapperConfig(
-        hidden_size=stage.arch.hidden_size,
-        params_dtype=stage.model.config.params_dtype,
-        inference_batch_times_seqlen_threshold=-1,
-        padded_vocab_size=stage.padded_vocab,
-        inference_max_requests=context.max_batch_size,
-        inference_max_seq_length=context.max_sequence_length,
-    )
-    wrapper = GPTInferenceWrapper(module, wrapper_config, inference_context=context)
+    wrapper = ChunkedPrefillWrapper(module, _wrapper_config(stage, context), context, max_tokens=max_prefill_tokens)
     controller = ReportingController(wrapper, TokenIds(eod, stage.arch.vocab_size),
                                      prompt_lengths=[len(p) for p in prompts], stop=stop,
                                      on_token=on_token, seed=params.seed)

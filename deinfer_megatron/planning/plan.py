@@ -20,6 +20,7 @@ from typing import Any
 from deinfer_megatron.arch.model import ModelArch, transformer_config
 from deinfer_megatron.arch.ranks import AttentionRanks, MlpRanks
 from deinfer_megatron.layers.attention import FactoredSelfAttention
+from deinfer_megatron.layers.core_attention import MEGATRON
 from deinfer_megatron.layers.costs import Cost
 from deinfer_megatron.layers.dense import dense_attention_cost, dense_mlp_cost
 from deinfer_megatron.layers.factored_linear import factored_mlp_cost
@@ -43,6 +44,22 @@ class LayerPlan:
     backward_ops: list[tuple[str, int]] = field(default_factory=list)  # (kind, elements per token)
     training_collectives: int = 0  # forward + backward, per token
     training_elements_per_token: int = 0
+    # a forward's activations per token row at the layer's widest block (``activation_elements``)
+    activation_elements_per_token: int = 0
+    score_heads: int = 0  # heads whose [rows, context] attention scores a core materialises
+
+
+def activation_elements(hidden: int, *blocks: Cost) -> int:
+    """Elements a forward holds per token row at the layer's widest block: the residual stream
+    and the norm's output, plus every product's output of that block (gate, up and their
+    product in a gated MLP are live at once; the sum over a block's products is that bound)."""
+    return 2 * hidden + max(sum(g.count * g.n for g in block.gemms) for block in blocks)
+
+
+def score_heads(attention: Cost) -> int:
+    """Heads whose scores a core materialises (Megatron's ``DotProductAttention``: scores and
+    probabilities, ``[b·heads, sq, sk]`` each); PyTorch's SDPA streams them."""
+    return sum(2 * a.heads for a in attention.attends if a.core == MEGATRON)
 
 
 @dataclass
@@ -121,10 +138,12 @@ def layer_plan(
     mlp = ranks.mlp if blocks.mlp.factor_classes is not None else None
     if attn is None:
         require_dense_attention_fits(arch.num_kv_heads, tp, index)
-    params = 0
+    params = activations = scores = 0
     for rank in range(tp):
         attention, ffn = block_costs(config, blocks, attn, mlp, TPView(rank, tp), rotary=arch.rotary)
         params = max(params, attention.params + ffn.params + _norm_params(arch))
+        activations = max(activations, activation_elements(arch.hidden_size, attention, ffn))
+        scores = max(scores, score_heads(attention))
     ops = [(c.kind, c.elements) for c in attention.collectives + ffn.collectives]
     # the backward pass runs the blocks, and each block's parts, in reverse order
     backward = [(c.kind, c.elements) for c in (attention.backward + ffn.backward)[::-1]]
@@ -147,6 +166,8 @@ def layer_plan(
         backward_ops=backward,
         training_collectives=len(ops) + len(backward),
         training_elements_per_token=sum(e for _, e in ops + backward),
+        activation_elements_per_token=activations,
+        score_heads=scores,
     )
 
 
@@ -214,5 +235,8 @@ def make_plan(
         "elements_per_training_step": sum(l.training_elements_per_token for l in layers) * tokens,
         "kv_bytes_per_token": {"full": max(kv_full), "latent": max(kv_latent)},
         "kv_bytes_for_batch": {"full": max(kv_full) * tokens, "latent": max(kv_latent) * tokens},
+        # activations live one layer at a time: the widest layer bounds a forward's
+        "activation_elements_per_token": max(l.activation_elements_per_token for l in layers),
+        "score_heads": max(l.score_heads for l in layers),
     }
     return Plan(plan.value, tp, pp, batch, seq, dtype_bytes, layers, stages, totals)

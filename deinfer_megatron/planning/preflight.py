@@ -2,8 +2,17 @@
 
 A config.json with a wrong size (``hidden_size`` 10⁹, say) would otherwise surface as an
 allocator failure — or the kernel's OOM killer — deep inside a rank. The planner already knows
-the parameters each rank holds and the KV bytes per token; against the memory this machine has
-available (``MemAvailable``, or the cgroup's limit when lower) that is a one-line refusal.
+the parameters each rank holds, the KV bytes per token and the activations per token row of its
+widest layer; against the memory this machine has available (``MemAvailable``, or the cgroup's
+limit when lower) that is a one-line refusal.
+
+The activations are those of the largest forward, the prefill's (``prefill_rows`` token rows,
+at most ``--max-prefill-tokens``: ``generation.prefill``). The planner's count is a lower bound
+(outputs of the products, residual stream and norm); what a rank's peak RSS really grows by per
+row is about ``ACTIVATION_FACTOR`` times it — measured at llama-1b-shape, TP=1, batch 8 × 2048
+tokens, 2048 to 16,384 rows per forward: 3.3× for deinfer, 2.0× for dense besides its scores
+(the rest is copies for RoPE and the attention layout, and the allocator's slack). Scores a core
+materialises (Megatron's attention) are counted at their size, ``rows × heads × context`` twice.
 """
 
 from __future__ import annotations
@@ -18,6 +27,13 @@ from deinfer_megatron.specs.layout import AUTO
 from deinfer_megatron.specs.rank_config import RankConfig
 
 _GIB = 2**30
+ACTIVATION_FACTOR = 3.5  # peak RSS per prefill row ÷ the planner's activation count, rounded up (above)
+
+
+def activation_bytes(totals: dict[str, Any], rows: int, context: int, dtype_bytes: int) -> int:
+    """Peak activation bytes of a forward of ``rows`` token rows over ``context`` keys."""
+    per_row = ACTIVATION_FACTOR * totals["activation_elements_per_token"] + totals["score_heads"] * context
+    return int(rows * per_row * dtype_bytes)
 
 
 def available_bytes() -> int | None:
@@ -49,11 +65,14 @@ def check_fits(
     dtype_bytes: int,
     kv_tokens: int = 0,
     kv_cache: str = "full",
+    prefill_rows: int = 0,
+    context: int = 0,
     ranks_here: int | None = None,
     available: int | None = None,
 ) -> int:
-    """Bytes the ranks on this machine need (weights + KV cache); ValueError if more than
-    ``available`` (default: what the machine has now).
+    """Bytes the ranks on this machine need (weights + KV cache + the activations of a forward of
+    ``prefill_rows`` token rows over ``context`` keys); ValueError if more than ``available``
+    (default: what the machine has now).
 
     ``layout`` may be ``auto`` before it is priced (the pricing times matrix products at the
     model's own shapes, so sizes that fit under no layout are refused first): then the job must
@@ -64,7 +83,7 @@ def check_fits(
     that sets it, else all ``tp × pp``).
     """
     sizes = dict(tp=tp, pp=pp, dtype_bytes=dtype_bytes, kv_tokens=kv_tokens, kv_cache=kv_cache,
-                 ranks_here=ranks_here, available=available)
+                 prefill_rows=prefill_rows, context=context, ranks_here=ranks_here, available=available)
     if layout != AUTO:
         return _check_one(arch, rank_config, layout, **sizes)
     from deinfer_megatron.planning.auto import CANDIDATES
@@ -88,18 +107,21 @@ def fits(arch: ModelArch, rank_config: RankConfig, layout: Any, **sizes: Any) ->
 
 
 def _check_one(arch: ModelArch, rank_config: RankConfig, layout: str, *, tp: int, pp: int, dtype_bytes: int,
-               kv_tokens: int, kv_cache: str, ranks_here: int | None, available: int | None) -> int:
+               kv_tokens: int, kv_cache: str, prefill_rows: int, context: int, ranks_here: int | None,
+               available: int | None) -> int:
     plan = make_plan(arch, rank_config, layout, tp=tp, pp=pp, dtype_bytes=dtype_bytes)
     kv = plan.totals["kv_bytes_per_token"]["latent" if kv_cache == "latent" else "full"]
-    per_rank = plan.totals["params_per_rank"] * dtype_bytes + kv * kv_tokens
+    acts = activation_bytes(plan.totals, prefill_rows, context, dtype_bytes)
+    per_rank = plan.totals["params_per_rank"] * dtype_bytes + kv * kv_tokens + acts
     here = ranks_here or int(os.environ.get("LOCAL_WORLD_SIZE", tp * pp))
     need = per_rank * here
     available = available_bytes() if available is None else available
     if available is not None and need > available:
         raise ValueError(
-            f"the model needs about {need / _GIB:.3g} GiB here ({per_rank / _GIB:.3g} GiB of weights and KV "
-            f"cache per rank × {here} ranks) but {available / _GIB:.3g} GiB is available; check the sizes in "
-            f"config.json (hidden_size {arch.hidden_size}, intermediate_size {arch.ffn_hidden_size}, "
-            f"{arch.num_layers} layers) or spread the job over more machines"
+            f"the model needs about {need / _GIB:.3g} GiB here ({per_rank / _GIB:.3g} GiB of weights, KV "
+            f"cache and {acts / _GIB:.3g} GiB of prefill activations per rank × {here} ranks) but "
+            f"{available / _GIB:.3g} GiB is available; check the sizes in config.json (hidden_size "
+            f"{arch.hidden_size}, intermediate_size {arch.ffn_hidden_size}, {arch.num_layers} layers), "
+            f"lower --max-prefill-tokens or spread the job over more machines"
         )
     return need

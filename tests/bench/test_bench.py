@@ -351,6 +351,7 @@ def test_failed_cell_is_recorded_and_the_matrix_goes_on(tmp_path) -> None:
     (["--synthetic", "llama-tiny", "--batch", ","], "--batch needs at least one positive integer"),
     (["--synthetic", "llama-tiny", "--layouts", "fast"], "--layouts: unknown value 'fast'"),
     (["--synthetic", "llama-tiny", "--gen-len", "1"], "--gen-len must be at least 2"),
+    (["--synthetic", "llama-tiny", "--max-prefill-tokens", "0"], "--max-prefill-tokens must be a positive whole"),
     (["--synthetic", "llama-tiny", "--prompt-len", "4090", "--gen-len", "10"], "exceeds the model's context"),
     (["--synthetic", "llama-tiny", "--layouts", "dense", "--kv-cache", "latent"], "no configuration can run"),
     (["--model", "x", "--ratio", "0.5"], "--ratio applies to --synthetic"),

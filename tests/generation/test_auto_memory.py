@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from deinfer_megatron.generation.job import GenerateJob, auto_plan_for
+from deinfer_megatron.generation.job import GenerateJob, auto_plan_for, memory_sizes
 from deinfer_megatron.generation.options import Parallelism
 from deinfer_megatron.planning import cost_model, preflight
 from deinfer_megatron.specs.layout import Layout
@@ -37,7 +37,8 @@ def test_the_default_takes_the_fastest_layout_that_fits(folder, tmp_path, monkey
     monkeypatch.setattr("torch.get_num_threads", lambda: 1)  # the planted table's key
     job = GenerateJob(folder, ("",), max_new_tokens=NEW, parallel=Parallelism(tp=2, layout="auto"))
 
-    sizes = dict(tp=2, pp=1, dtype_bytes=4, kv_tokens=len(PROMPTS) * context, available=1 << 60)
+    sizes = dict(tp=2, pp=1, dtype_bytes=4, **memory_sizes(job, PROMPTS), available=1 << 60)
+    assert sizes["kv_tokens"] == len(PROMPTS) * context and sizes["prefill_rows"] == len(PROMPTS) * 3
     need = {l: preflight.check_fits(arch, ranks, l, **sizes) for l in ("naive", "deinfer")}
     assert need["deinfer"] < need["naive"], "naive caches every KV head on every rank"
 

@@ -56,7 +56,8 @@ def check(results: dict, expected: dict, where: str) -> None:
 
 def test_tp1_every_layout_cache_and_driver(folders) -> None:
     models, expected = folders
-    results = run_ranks(1, generation_worker, 1, 1, models, PROMPTS, MAX_NEW, LAYOUTS)[0]
+    results = run_ranks(1, generation_worker, 1, 1, models, PROMPTS, MAX_NEW, LAYOUTS, False, True)[0]
+    assert sum("-chunked" in k for k in results) == 3 * (2 + 2 + 2 + 2), "chunked prefill: every driver and cache"
     assert any("/latent/rebuild/" in k for k in results) and any("/latent/absorb/" in k for k in results)
     assert sum("one-at-a-time" in k for k in results) == 3
     check(results, expected, "TP=1")
@@ -64,7 +65,7 @@ def test_tp1_every_layout_cache_and_driver(folders) -> None:
 
 def test_tp2_with_deepspeed(folders) -> None:
     models, expected = folders
-    per_rank = run_ranks(2, generation_worker, 2, 1, models, PROMPTS, MAX_NEW, LAYOUTS, True)
+    per_rank = run_ranks(2, generation_worker, 2, 1, models, PROMPTS, MAX_NEW, LAYOUTS, True, True)
     assert per_rank[0] == per_rank[1], "both TP ranks see the same tokens (sampled ones too)"
     assert sum("/deepspeed/" in k for k in per_rank[0]) == 6
     check(per_rank[0], expected, "TP=2")
@@ -72,6 +73,6 @@ def test_tp2_with_deepspeed(folders) -> None:
 
 def test_pp2(folders) -> None:
     models, expected = folders
-    per_rank = run_ranks(2, generation_worker, 1, 2, models, PROMPTS, MAX_NEW, ["deinfer", "naive"])
+    per_rank = run_ranks(2, generation_worker, 1, 2, models, PROMPTS, MAX_NEW, ["deinfer", "naive"], False, True)
     assert per_rank[0] == per_rank[1], "both stages report the same tokens"
     check(per_rank[0], expected, "PP=2")

@@ -9,16 +9,24 @@ from typing import Any
 import torch
 
 
-def configurations(layout: str, decomposed: bool) -> list[tuple[str, bool, str]]:
-    """(kv cache, absorb values, driver) combinations that apply to a layout."""
+CHUNKED = "-chunked"  # a driver run with a prefill of one position per forward
+
+
+def configurations(layout: str, decomposed: bool, chunked: bool = False) -> list[tuple[str, bool, str]]:
+    """(kv cache, absorb values, driver) combinations that apply to a layout; with ``chunked``,
+    also drivers whose prefill goes one position at a time (``generation.prefill``)."""
     combos = [("full", True, "engine"), ("full", True, "loop")]
     if decomposed and layout == "deinfer":
         combos += [("latent", True, "engine"), ("latent", True, "loop"), ("latent", False, "loop")]
+    if chunked:
+        combos += [(kv, absorb, driver + CHUNKED) for kv, absorb, driver in combos
+                   if (kv, absorb, driver) != ("latent", True, "loop")]  # the engine covers that one
     return combos
 
 
 def generation_worker(tp: int, pp: int, models: dict[str, str], prompts: list[list[int]],
-                      max_new: int, layouts: list[str], deepspeed: bool = False) -> dict[str, Any]:
+                      max_new: int, layouts: list[str], deepspeed: bool = False,
+                      chunked: bool = False) -> dict[str, Any]:
     from deinfer_megatron.generation.context import GenerationContext
     from deinfer_megatron.generation.loop import generate_tokens
     from deinfer_megatron.generation.megatron_engine import generate_with_engine
@@ -33,12 +41,13 @@ def generation_worker(tp: int, pp: int, models: dict[str, str], prompts: list[li
             for layout in layouts:
                 stage = load_folder(Path(folder), layout, groups)
                 decomposed = bool(stage.rank_config.modules)
-                for kv, absorb, driver in configurations(layout, decomposed):
+                for kv, absorb, driver in configurations(layout, decomposed, chunked):
                     context = GenerationContext(len(prompts), max(map(len, prompts)) + max_new,
                                                 kv_cache=kv, absorb_values=absorb)
-                    run = generate_with_engine if driver == "engine" else generate_tokens
+                    run = generate_with_engine if driver.startswith("engine") else generate_tokens
+                    chunked = {"max_prefill_tokens": len(prompts)} if driver.endswith(CHUNKED) else {}
                     outs, _ = run(stage, prompts, max_new_tokens=max_new, params=SamplingParams(),
-                                  context=context)
+                                  context=context, **chunked)
                     key = f"{name}/{layout}/{kv}/{'absorb' if absorb else 'rebuild'}/{driver}"
                     results[key] = [o.token_ids for o in outs]
                     if layout == "deinfer" and kv == "full" and driver == "loop":

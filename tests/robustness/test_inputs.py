@@ -99,6 +99,7 @@ def test_sampling_and_budget_numbers(models, capfd) -> None:
     assert "--top-p must be in (0, 1]" in cli_error(capfd, *base, "--top-p", "nan")
     assert "--kv-budget-gb must be a number of GB > 0" in cli_error(capfd, *base, "--kv-budget-gb", "nan")
     assert "--kv-budget-gb must be a number of GB > 0" in cli_error(capfd, *base, "--kv-budget-gb", "0")
+    assert "--max-prefill-tokens must be a positive whole" in cli_error(capfd, *base, "--max-prefill-tokens", "-1")
     assert "--greedy cannot be combined" in cli_error(capfd, *base, "--greedy", "--temperature", "0.7")
 
 
