@@ -38,13 +38,17 @@ def check_max_tokens(max_tokens: int) -> int:
     return max_tokens
 
 
+def chunk_width(batch: int, max_tokens: int) -> int:
+    """Positions per chunk for ``batch`` sequences: ``max_tokens // batch``, at least one."""
+    return max(1, check_max_tokens(max_tokens) // max(1, batch))
+
+
 def chunk_bounds(start: int, end: int, batch: int, max_tokens: int) -> list[tuple[int, int]]:
-    """Positions ``[start, end)`` cut into consecutive chunks of at most ``max_tokens`` rows for
-    a batch of ``batch`` sequences: ``max_tokens // batch`` positions each (at least one)."""
-    check_max_tokens(max_tokens)
+    """Positions ``[start, end)`` cut into consecutive chunks of ``chunk_width`` positions (the
+    last may be shorter): at most ``max_tokens`` rows each, unless one position is more."""
+    width = chunk_width(batch, max_tokens)
     if end <= start:
         return []
-    width = max(1, max_tokens // max(1, batch))
     return [(s, min(end, s + width)) for s in range(start, end, width)]
 
 
@@ -103,4 +107,4 @@ class ChunkedPrefillWrapper(GPTInferenceWrapper):
 def largest_forward_rows(batch: int, shortest_prompt: int, max_tokens: int) -> int:
     """Token rows of a generation's largest forward: its prefill's biggest chunk (the prefill
     runs to the shortest prompt; later positions go one per step)."""
-    return batch * min(shortest_prompt, max(1, max_tokens // max(1, batch)))
+    return batch * min(shortest_prompt, chunk_width(batch, max_tokens))
