@@ -50,10 +50,13 @@ def local_rank_env(rank: int, world: int, port: int) -> dict[str, str]:
 
 
 def _rank_main(rank: int, world: int, port: int, parent: int, conn: Connection, warning_filters: list,
-               fn: Callable, args: tuple) -> None:
+               work: bytes) -> None:
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     warnings.filters[:] = warning_filters  # a rank warns about what its command warns about
+    # ``fn`` and its arguments arrive pickled and are loaded only now: loading them imports
+    # their modules (Megatron among them), whose import-time warnings the filters must see.
+    fn, args = pickle.loads(work)
     os.environ.update(local_rank_env(rank, world, port))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -132,8 +135,11 @@ def spawn_local(world: int, fn: Callable, *args: Any, timeout: float | None = No
     ctx = mp.get_context("spawn")
     port = free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
+    # Plain pickle (tensors by value): every rank loads the same bytes, and shared-memory
+    # handles would be good for one of them only.
+    work = pickle.dumps((fn, args))
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, os.getpid(), pipes[r][1], list(warnings.filters), fn, args),
+        ctx.Process(target=_rank_main, args=(r, world, port, os.getpid(), pipes[r][1], list(warnings.filters), work),
                     daemon=True)
         for r in range(world)
     ]
