@@ -27,12 +27,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--batch", type=int, default=PerplexityJob.batch,
+                   help="windows per forward (default %(default)s); lower it when the memory check refuses")
     add_inference_layout(p)
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="load a decomposed folder made elsewhere, without its manifest")
     p.set_defaults(make_config=lambda a: EvalConfig(PerplexityJob(
-        a.model, a.text, a.max_tokens, a.window, a.tp, a.pp, a.layout, verify=a.verify), a.json), run=main)
+        a.model, a.text, a.max_tokens, a.window, a.tp, a.pp, a.layout, a.batch, verify=a.verify), a.json),
+        run=main)
 
 
 def main(cfg: EvalConfig) -> int:

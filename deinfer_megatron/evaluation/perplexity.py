@@ -12,6 +12,7 @@ import logging
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -93,12 +94,12 @@ def _rank(job: PerplexityJob) -> dict:
             pos = torch.arange(batch.shape[1], device=device).expand_as(batch)
             logits = stage_forward(stage, batch, pos)
             if logits is not None:
-                nll = F.cross_entropy(
-                    logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-                    batch[:, 1:].reshape(-1),
-                    reduction="sum",
-                )
-                total += torch.tensor([nll.item(), batch[:, 1:].numel()], dtype=torch.float64, device=device)
+                # One window at a time: its slice is contiguous, so only its log-softmax is new
+                # memory (a window × vocab), not a copy of the whole batch's logits and another
+                # for their log-softmax — the memory check counts one forward's logits only.
+                nll = sum(F.cross_entropy(row[:-1].float(), ids[1:], reduction="sum").item()
+                          for row, ids in zip(logits, batch))
+                total += torch.tensor([nll, batch[:, 1:].numel()], dtype=torch.float64, device=device)
         total = broadcast_from_last_stage(stage, total if groups.is_last_stage else None, total)
     finally:
         shutdown()
@@ -124,9 +125,13 @@ def auto_plan_for(job: PerplexityJob, collectives: dict[str, list[float]] | None
                                                       **forward_sizes(job))).plan
 
 
-def forward_sizes(job: PerplexityJob) -> dict[str, int]:
-    """A pass's forward for the memory check: ``batch`` windows, each its own context."""
-    return {"prefill_rows": job.batch * job.window, "context": job.window}
+def forward_sizes(job: PerplexityJob) -> dict[str, Any]:
+    """A pass's forward for the memory check: ``batch`` windows, each its own context; the
+    logits of every row, and one window's log-softmax beside them (the loss is taken a window
+    at a time; counted as one more window of logits, which is more than it holds)."""
+    rows = job.batch * job.window
+    return {"prefill_rows": rows, "context": job.window, "logit_rows": rows + job.window,
+            "rows_option": "--batch"}
 
 
 def evaluate(job: PerplexityJob) -> dict | None:
@@ -144,6 +149,8 @@ def evaluate(job: PerplexityJob) -> dict | None:
                          f"{arch.max_positions} tokens; use --window {arch.max_positions} or less")
     if job.max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {job.max_tokens}")
+    if job.batch < 1:
+        raise ValueError(f"--batch must be at least 1 window per forward, got {job.batch}")
     sizes = dict(tp=job.tp, pp=job.pp, dtype_bytes=4, **forward_sizes(job))
     check_fits(arch, ranks, job.layout, **sizes)  # auto: under some candidate, before it is priced
     open_model(job.model, verify=job.verify)

@@ -150,10 +150,11 @@ def check_layout(job: GenerateJob, prompt_ids: list[list[int]], arch: Any, ranks
 
 def memory_sizes(job: GenerateJob, prompt_ids: list[list[int]]) -> dict[str, int]:
     """What the memory check (``planning.preflight``) sizes besides the weights: KV tokens of
-    every slot, and the rows and keys of the largest prefill forward."""
+    every slot, and the rows and keys of the largest prefill forward, whose logits are those of
+    each sequence's last row (Megatron's static context materialises no others)."""
     needed = max(map(len, prompt_ids)) + job.max_new_tokens
     shortest = min(map(len, prompt_ids))
-    return {"kv_tokens": len(prompt_ids) * needed, "context": shortest,
+    return {"kv_tokens": len(prompt_ids) * needed, "context": shortest, "logit_rows": len(prompt_ids),
             "prefill_rows": largest_forward_rows(len(prompt_ids), shortest, job.max_prefill_tokens)}
 
 

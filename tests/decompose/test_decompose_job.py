@@ -46,6 +46,8 @@ def test_full_rank_reproduces_dense_logits_and_perplexity(family: str, tmp_path:
     got = evaluate(job)
     assert got["tokens"] == windows[:, 1:].numel() and got["windows"] == 4
     assert got["ppl"] == pytest.approx(expected, rel=1e-4)
+    one = evaluate(PerplexityJob(out, text, 512, 128, layout="deinfer", batch=1))  # a forward per window
+    assert one["ppl"] == pytest.approx(expected, rel=1e-4)
     assert evaluate(PerplexityJob(dense_dir, text, 512, 128))["ppl"] == pytest.approx(expected, rel=1e-4)
     auto = evaluate(PerplexityJob(out, text, 512, 128, layout="auto"))  # the cost model's plan per block
     assert auto["layout"] == "auto" and auto["ppl"] == pytest.approx(expected, rel=1e-4)

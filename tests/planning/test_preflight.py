@@ -57,3 +57,26 @@ def test_a_prefill_too_large_is_refused_and_a_smaller_chunk_fits(folder) -> None
         preflight.check_fits(arch, ranks, "deinfer", **{**sizes, "available": between}, **memory_sizes(whole, prompts))
     assert "\n" not in str(err.value)
     preflight.check_fits(arch, ranks, "deinfer", **{**sizes, "available": between}, **memory_sizes(chunked, prompts))
+
+
+def test_logits_are_counted_by_hand(folder) -> None:
+    """Every rank gathers the whole (padded) vocabulary's logits and copies them transposed,
+    its own shard alive beside them under TP; a perplexity pass holds every row's logits and
+    one more window's, generation only each sequence's last row."""
+    from deinfer_megatron.evaluation.perplexity import PerplexityJob, forward_sizes
+
+    arch, ranks = open_config(folder, verify=False)
+    v = arch.vocab_size
+    padded = v + v % 2  # Megatron's rows split evenly over TP=2
+    assert make_plan(arch, ranks, "dense", tp=1).totals["logit_elements_per_token"] == 2 * v
+    assert make_plan(arch, ranks, "dense", tp=2).totals["logit_elements_per_token"] == 2 * padded + padded // 2
+    sizes = dict(tp=1, pp=1, dtype_bytes=4, available=1 << 60)
+
+    def logits_bytes(**forward) -> int:
+        return (preflight.check_fits(arch, ranks, "deinfer", **sizes, **forward)
+                - preflight.check_fits(arch, ranks, "deinfer", **sizes, **{**forward, "logit_rows": 0}))
+
+    job = PerplexityJob(folder, "t.txt", max_tokens=512, window=64, batch=4)
+    assert logits_bytes(**forward_sizes(job)) == 2 * v * (4 * 64 + 64) * 4
+    prompts = [[5] * 100] * 3
+    assert logits_bytes(**memory_sizes(GenerateJob(folder, ("",), max_new_tokens=4), prompts)) == 2 * v * 3 * 4

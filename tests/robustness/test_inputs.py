@@ -79,6 +79,7 @@ def test_auto_is_priced_only_after_the_input_is_checked(models, tmp_path, capfd,
     text.write_text("It is a truth universally acknowledged. " * 200)
     line = cli_error(capfd, "eval-ppl", "--model", huge, "--text", text, *auto, "--no-verify")
     assert "GiB is available" in line and "hidden_size 1000000000" in line
+    assert "lower --batch" in line, "eval-ppl's forward is bounded by its windows per forward"
 
 
 def test_prompts_files(models, tmp_path, capfd) -> None:
@@ -115,6 +116,8 @@ def test_text_files(models, tmp_path, capfd) -> None:
     line = cli_error(capfd, "eval-ppl", "--model", models.dense, "--text", text, "--window", "8192")
     assert "--window 8192 is longer than the model's context of 4096 tokens" in line
     assert f"text file {binary} is a binary file" in cli_error(capfd, "eval-ppl", "--model", models.dense, "--text", binary)
+    line = cli_error(capfd, "eval-ppl", "--model", models.dense, "--text", text, "--batch", "0")
+    assert "--batch must be at least 1 window per forward, got 0" in line
 
 
 def test_decompose_options(models, tmp_path, capfd) -> None:
