@@ -130,7 +130,7 @@ def _check_one(arch: ModelArch, rank_config: RankConfig, layout: str, *, tp: int
     if available is not None and need > available:
         raise ValueError(
             f"the model needs about {need / _GIB:.3g} GiB here ({per_rank / _GIB:.3g} GiB of weights, KV "
-            f"cache and {acts / _GIB:.3g} GiB of prefill activations per rank × {here} ranks) but "
+            f"cache and {acts / _GIB:.3g} GiB of activations in the largest forward per rank × {here} ranks) but "
             f"{available / _GIB:.3g} GiB is available; check the sizes in config.json (hidden_size "
             f"{arch.hidden_size}, intermediate_size {arch.ffn_hidden_size}, {arch.num_layers} layers), "
             f"lower {rows_option} or spread the job over more machines"

@@ -53,7 +53,7 @@ def test_a_prefill_too_large_is_refused_and_a_smaller_chunk_fits(folder) -> None
     per_row = preflight.ACTIVATION_FACTOR * totals["activation_elements_per_token"] * 4
     assert abs((need_whole - need_chunked) - (2000 - 64) * per_row) <= 1
     between = (need_whole + need_chunked) // 2
-    with pytest.raises(ValueError, match="GiB of prefill activations.*lower --max-prefill-tokens") as err:
+    with pytest.raises(ValueError, match="GiB of activations in the largest forward.*lower --max-prefill-tokens") as err:
         preflight.check_fits(arch, ranks, "deinfer", **{**sizes, "available": between}, **memory_sizes(whole, prompts))
     assert "\n" not in str(err.value)
     preflight.check_fits(arch, ranks, "deinfer", **{**sizes, "available": between}, **memory_sizes(chunked, prompts))
