@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 from deinfer_megatron.arch.model import ModelArch, transformer_config
 from deinfer_megatron.layers.costs import Attend, Cost, Gemm
 from deinfer_megatron.parallel.topology import TPView
-from deinfer_megatron.planning.cost_model import CostTable
+from deinfer_megatron.planning.cost_model import CalibrationFailed, CostTable
 from deinfer_megatron.planning.plan import block_costs
 from deinfer_megatron.specs.layout import BlockLayouts, Layout, LayoutPlan
 from deinfer_megatron.specs.rank_config import RankConfig
@@ -134,6 +134,8 @@ def outside_seconds(table: CostTable, arch: ModelArch, work: Workload) -> float:
 def _allowed(layout: Layout, block: str, ranks: Any, arch: ModelArch, work: Workload) -> bool:
     if block == "attention" and layout is Layout.DENSE and arch.num_kv_heads < work.tp:
         return False  # Megatron's dense attention needs a KV head per rank
+    if block == "mlp" and layout is Layout.DENSE and arch.ffn_hidden_size % work.tp:
+        return False  # Megatron's dense MLP splits its intermediate size evenly
     if block == "attention" and work.latent_cache and ranks is not None:
         return layout.supports_latent_cache  # --kv-cache latent: latents of every decomposed attention
     return True
@@ -262,8 +264,9 @@ def auto_plan(arch: ModelArch, rank_config: RankConfig, work: Workload,
     if table is None:
         try:
             table = table_for(arch, rank_config, work)
-        except RuntimeError as err:  # nothing to measure the collectives with on this machine
-            log.warning("--layout auto: %s; using the %s layout for every block", err, FALLBACK.value)
+        except CalibrationFailed as err:  # the default layout must not fail where a fixed one runs
+            log.warning("--layout auto: %s; using the %s layout for every block (pass a fixed "
+                        "--layout to choose another)", err, FALLBACK.value)
             return AutoChoice(LayoutPlan.uniform(FALLBACK, arch.num_layers), [])
     if collectives:
         table = replace(table, collectives=collectives)

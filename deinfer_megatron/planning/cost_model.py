@@ -56,7 +56,7 @@ from deinfer_megatron.layers.costs import Attend, Gemm
 
 log = logging.getLogger(__name__)
 
-FORMAT = 6  # 2: framework overhead per TP size; 3: matrix products timed per shape; 4: collectives and fixed times with cold caches; 5: attention timed per context (and left out of the fixed times); 6: fixed times with the ranks lined up before each block, rounds interleaved; products and attention the median of their passes, not the fastest. Bump when the table's fields or their meaning change: older caches are ignored
+FORMAT = 7  # 2: framework overhead per TP size; 3: matrix products timed per shape; 4: collectives and fixed times with cold caches; 5: attention timed per context (and left out of the fixed times); 6: fixed times with the ranks lined up before each block, rounds interleaved; products and attention the median of their passes, not the fastest; 7: fixed times from models whose heads every TP size divides (dense measured above TP 4). Bump when the table's fields or their meaning change: older caches are ignored
 GEMM_DTYPES = ("float32", "bfloat16")
 
 
@@ -400,19 +400,30 @@ def host_table(*, tp: int, threads: int | None = None, root: Path | None = None,
     if (table is not None and (tp == 1 or table.collectives) and str(tp) in table.overhead
             and not table.missing_shapes(dtype, gemms) and not table.missing_attention(dtype, attention)):
         return table
-    log.info("measuring this machine's cost table once (%s; up to tens of seconds), "
-             "cached in %s", ", ".join(_to_measure(table, tp, dtype, gemms, attention)), path)
-    if table is None or (tp > 1 and not table.collectives):
-        table = calibrate(key, collectives=tp > 1)
-    if str(tp) not in table.overhead:
-        from deinfer_megatron.planning.overhead import measure_overhead, required_attention, required_gemms
+    what = ", ".join(_to_measure(table, tp, dtype, gemms, attention))
+    log.info("measuring this machine's cost table once (%s; up to tens of seconds), cached in %s", what, path)
+    try:
+        if table is None or (tp > 1 and not table.collectives):
+            table = calibrate(key, collectives=tp > 1)
+        if str(tp) not in table.overhead:
+            from deinfer_megatron.planning.overhead import measure_overhead, required_attention, required_gemms
 
-        table = with_shapes(table, "float32", required_gemms(tp))  # what its fit prices
-        table = with_attention(table, "float32", required_attention(tp))
-        table = replace(table, overhead={**table.overhead, str(tp): measure_overhead(table, tp)})
-    table = with_attention(with_shapes(table, dtype, gemms), dtype, attention)
+            table = with_shapes(table, "float32", required_gemms(tp))  # what its fit prices
+            table = with_attention(table, "float32", required_attention(tp))
+            table = replace(table, overhead={**table.overhead, str(tp): measure_overhead(table, tp)})
+        table = with_attention(with_shapes(table, dtype, gemms), dtype, attention)
+    except Exception as err:  # noqa: BLE001 - whatever stopped the measurement, the caller decides
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise CalibrationFailed(f"could not measure this machine's cost table ({what}): "
+                                f"{type(err).__name__}: {first}") from err
     save(table, path)
     return table
+
+
+class CalibrationFailed(RuntimeError):
+    """``host_table`` could not measure what it lacks (no shared memory for the collectives, a
+    measuring rank that failed or timed out): one line naming what was measured and why it
+    stopped. Nothing is cached, so the next job measures again."""
 
 
 def _to_measure(table: CostTable | None, tp: int, dtype: str, gemms: list[tuple[Gemm, int]],

@@ -4,7 +4,7 @@ layers: what the rates of ``cost_model`` cannot price.
 At llama-tiny sizes a TP=2 decode step is tens of milliseconds while its GEMMs and collectives are
 a fraction of one: the step is Python, Megatron's module glue, and each collective call's own
 Python beyond its transport's latency. That time hardly depends on the model's size, so it is
-measured where nothing else is left: two tiny LLaMA-shaped models (``SIZES``), every layout, run
+measured where nothing else is left: two tiny LLaMA-shaped models (``sizes(tp)``), every layout, run
 on ``tp`` local ranks exactly as a job runs them (``spawn_local``, the job's transport), a short
 greedy decode each (the generation loop in small, ``_decode``), timed per decode step with
 forward hooks on every layer and on its attention and MLP blocks (hooks time; they issue
@@ -23,9 +23,11 @@ latency and bandwidth: ``planning.auto``), and the remainder is extrapolated lin
 block's parameters per rank to zero size — what is left at no size at all is the fixed cost. It
 is clamped to [0, the larger remainder], as a busy machine can make the line slope down.
 
-Limits: the models are LLaMA-shaped whatever the job's family; at a TP size above their 4 KV heads
-the dense layout is not measured (its blocks are then priced without fixed time); a job started by
-an external launcher that resolves ``auto`` inside its ranks measures from inside them.
+The models' heads and KV heads are multiples of ``tp`` (``sizes``), so every TP size a job can ask
+for is measured in every layout, dense included (a KV head per rank at least).
+
+Limits: the models are LLaMA-shaped whatever the job's family; a job started by an external
+launcher that resolves ``auto`` inside its ranks measures from inside them.
 """
 
 from __future__ import annotations
@@ -35,13 +37,14 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from deinfer_megatron.files.failpoints import point
 from deinfer_megatron.planning.cost_model import CostTable
 
 _LLAMA = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0,
               tie_word_embeddings=False, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, vocab_size=256)
-SIZES = ({**_LLAMA, "hidden_size": 64, "intermediate_size": 176},
-         {**_LLAMA, "hidden_size": 128, "intermediate_size": 352})
+              num_hidden_layers=2, vocab_size=256)
+HEAD_DIMS = (8, 16)  # the two sizes: the same heads, twice the head dimension
+MIN_KV_HEADS = 4
 RATIO = 0.6  # parameters kept: every block decomposed, ranks as in the bench's synthetic models
 PROMPT, NEW_TOKENS = 8, 16
 PARTS = ("attention", "mlp", "layer", "outside")
@@ -192,6 +195,18 @@ def time_stages(stages: dict[str, Any], *, rounds: int = ROUNDS, batch: int = 1,
     return {k: {p: statistics.median(m[p] for m in runs) for p in PARTS} for k, runs in got.items()}
 
 
+def sizes(tp: int) -> tuple[dict[str, Any], ...]:
+    """The two calibration models' Hugging Face configs for TP ``tp``: KV heads the smallest
+    multiple of ``tp`` of at least ``MIN_KV_HEADS`` (so that every layout splits them, Megatron's
+    dense attention too), twice as many query heads, ``HEAD_DIMS`` per size, MLP 2.75 × hidden.
+    At TP 1, 2 and 4: 8 heads, 4 KV heads, hidden 64 and 128."""
+    if tp < 1:
+        raise ValueError(f"TP size {tp} must be at least 1")
+    kv = tp * -(-MIN_KV_HEADS // tp)
+    return tuple({**_LLAMA, "num_attention_heads": 2 * kv, "num_key_value_heads": kv,
+                  "hidden_size": 2 * kv * d, "intermediate_size": 2 * kv * d * 11 // 4} for d in HEAD_DIMS)
+
+
 def _model(size: dict[str, Any]) -> tuple[Any, Any, dict[str, int]]:
     """A size's architecture and uniform ranks keeping ``RATIO`` of every matrix's parameters."""
     from deinfer_megatron.arch.model import arch_from_hf_config
@@ -211,12 +226,13 @@ def overhead_worker(job: OverheadJob) -> dict[str, dict[str, float]]:
     from deinfer_megatron.models.synthetic import random_state
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
 
+    point("overhead.rank")  # the robustness suite kills a measuring rank here
     torch.set_num_threads(job.threads)
     groups = init_parallel(job.tp, 1)
     try:
         with torch.no_grad():
             stages = {}
-            for s, size in enumerate(SIZES):
+            for s, size in enumerate(sizes(job.tp)):
                 arch, rank_config, ranks = _model(size)
                 state = random_state(arch, ranks)
                 for layout in job.layouts:
@@ -233,7 +249,7 @@ def required_gemms(tp: int) -> set[tuple[Any, int]]:
     from deinfer_megatron.planning.auto import Workload, required_gemms as plan_gemms
 
     out: set[tuple[Any, int]] = set()
-    for size in SIZES:
+    for size in sizes(tp):
         arch, rank_config, _ = _model(size)
         out |= plan_gemms(arch, rank_config, Workload(tp=tp, batch=1))
     return out
@@ -245,7 +261,7 @@ def required_attention(tp: int) -> set[tuple[Any, int, int]]:
     from deinfer_megatron.planning.auto import required_attention as plan_attention
 
     out: set[tuple[Any, int, int]] = set()
-    for size in SIZES:
+    for size in sizes(tp):
         arch, rank_config, _ = _model(size)
         out |= plan_attention(arch, rank_config, _fit_workload(tp))
     return out
@@ -258,11 +274,10 @@ def _fit_workload(tp: int) -> Any:
     return Workload(tp=tp, batch=1, context=PROMPT + NEW_TOKENS // 2)
 
 
-def _layouts(tp: int) -> tuple[str, ...]:
+def _layouts() -> tuple[str, ...]:
     from deinfer_megatron.planning.auto import CANDIDATES
 
-    kv = SIZES[0]["num_key_value_heads"]
-    return tuple(c.value for c in CANDIDATES if not (c.value == "dense" and kv < tp))
+    return tuple(c.value for c in CANDIDATES)
 
 
 def intercept(r1: float, r2: float, p1: float, p2: float) -> float:
@@ -283,7 +298,7 @@ def fit(table: CostTable, tp: int, measured: dict[str, dict[str, float]]) -> dic
     work = _fit_workload(tp)
     layouts = sorted({k.split("/")[1] for k in measured})
     residual: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    for s, size in enumerate(SIZES):
+    for s, size in enumerate(sizes(tp)):
         arch, rank_config, _ = _model(size)
         config = transformer_config(arch, tp=tp, pp=1)
         priced = choose_layouts(arch, rank_config, work, base).seconds[0]
@@ -310,7 +325,7 @@ def measure_overhead(table: CostTable, tp: int, *, timeout_s: float = 300.0) -> 
     """``table``'s overhead entry for TP ``tp``, measured on ``tp`` local ranks (~15-25 s)."""
     from deinfer_megatron.launch.local import spawn_local
 
-    job = OverheadJob(tp, table.key.threads, _layouts(tp))
+    job = OverheadJob(tp, table.key.threads, _layouts())
     per_rank = spawn_local(tp, overhead_worker, job, timeout=timeout_s)
     slowest = {k: {p: max(r[k][p] for r in per_rank) for p in PARTS} for k in per_rank[0]}
     return fit(table, tp, slowest)

@@ -25,7 +25,8 @@ from deinfer_megatron.layers.costs import Cost
 from deinfer_megatron.layers.dense import dense_attention_cost, dense_mlp_cost
 from deinfer_megatron.layers.factored_linear import factored_mlp_cost
 from deinfer_megatron.parallel.topology import TPView
-from deinfer_megatron.specs.builder import factored_attention_submodules, require_dense_attention_fits
+from deinfer_megatron.specs.builder import (factored_attention_submodules, require_dense_attention_fits,
+                                            require_dense_mlp_fits)
 from deinfer_megatron.specs.layout import BlockLayouts, Layout, LayoutPlan, as_plan
 from deinfer_megatron.specs.rank_config import LayerRanks, RankConfig
 
@@ -138,6 +139,8 @@ def layer_plan(
     mlp = ranks.mlp if blocks.mlp.factor_classes is not None else None
     if attn is None:
         require_dense_attention_fits(arch.num_kv_heads, tp, index)
+    if mlp is None:
+        require_dense_mlp_fits(arch.ffn_hidden_size, tp, index)
     params = activations = scores = 0
     for rank in range(tp):
         attention, ffn = block_costs(config, blocks, attn, mlp, TPView(rank, tp), rotary=arch.rotary)

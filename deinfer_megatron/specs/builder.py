@@ -119,6 +119,16 @@ def require_dense_attention_fits(num_kv_heads: int, tp: int, layer_index: int) -
         )
 
 
+def require_dense_mlp_fits(ffn_hidden_size: int, tp: int, layer_index: int) -> None:
+    """Megatron's dense MLP splits its intermediate size evenly over ranks (the decomposed MLPs
+    split their ranks unevenly where they must); SmolLM2's 1536 at TP 9 does not split."""
+    if ffn_hidden_size % tp:
+        raise ValueError(
+            f"layer {layer_index}: a dense MLP needs --tp to divide its intermediate size "
+            f"({ffn_hidden_size}), not {tp}; decompose the layer's MLP or pick a --tp that divides it"
+        )
+
+
 def layer_spec(config: Any, ranks: LayerRanks, layout: "Layout | BlockLayouts | str",
                layer_index: int) -> ModuleSpec:
     """The ``TransformerLayer`` spec of global layer ``layer_index`` (0-based); ``layout`` is one
@@ -130,6 +140,8 @@ def layer_spec(config: Any, ranks: LayerRanks, layout: "Layout | BlockLayouts | 
     mlp_ranks = ranks.mlp if mlp_classes else None
     if attn_ranks is None:
         require_dense_attention_fits(config.num_query_groups, config.tensor_model_parallel_size, layer_index)
+    if mlp_ranks is None:
+        require_dense_mlp_fits(config.ffn_hidden_size, config.tensor_model_parallel_size, layer_index)
     norm = _norm(config)
     return ModuleSpec(
         module=TransformerLayer,

@@ -157,3 +157,32 @@ def test_cache_of_another_host_or_version_is_ignored(tmp_path, monkeypatch, capl
     with caplog.at_level(logging.INFO, logger="deinfer_megatron.planning.cost_model"):
         cost_model.host_table(tp=2, threads=1, root=tmp_path)  # now cached: not measured again
     assert len(calls) == 1 and not caplog.records
+
+
+def test_a_dense_mlp_that_tp_cannot_split_is_never_chosen() -> None:
+    """Megatron's dense MLP splits the intermediate size evenly (SmolLM2's 1536 at TP 9 does not):
+    at such a TP size auto keeps every decomposed MLP in a layout that splits its ranks, even where
+    dense would be priced cheapest, and the fixed dense layout is refused in one line naming the
+    sizes, by the planner as by the spec builder."""
+    from deinfer_megatron.arch.model import transformer_config
+    from deinfer_megatron.planning.plan import layer_plan
+    from deinfer_megatron.specs.builder import layer_spec
+    from tests.helpers.cost_tables import favouring
+
+    arch = arch_from_hf_config({**CFG, "intermediate_size": 90})  # 90 = 2 · 45: TP 4 does not split it
+    full = {f"model.layers.{i}.{part}.{p}": min(s)
+            for i in range(arch.num_layers) for part, names in (("self_attn", ATTN), ("mlp", MLP))
+            for p, s in ((p, {**SHAPES, "gate_proj": (90, H), "up_proj": (90, H), "down_proj": (H, 90)}[p]) for p in names)}
+    ranks = RankConfig.from_mapping(full, arch)
+    work = Workload(tp=4, batch=1, context=16)
+    table = favouring("dense", arch, ranks, tp=4, batches=(1,), contexts=(16,))
+    choice = choose_layouts(arch, ranks, work, table)
+    assert [b.attention.value for b in choice.plan.layers] == ["dense"] * arch.num_layers, "dense where it splits"
+    assert "dense" not in {b.mlp.value for b in choice.plan.layers}
+    assert all("dense" not in layer["mlp"] for layer in choice.seconds)
+    assert "dense" in choose_layouts(arch, ranks, replace(work, tp=2), table).seconds[0]["mlp"], "90 splits at TP 2"
+    want = "layer 0: a dense MLP needs --tp to divide its intermediate size (90), not 4"
+    with pytest.raises(ValueError, match=want.replace("(", r"\(").replace(")", r"\)")):
+        layer_plan(arch, ranks, Layout.DENSE, 4, 0, 4)
+    with pytest.raises(ValueError, match=r"intermediate size \(90\), not 4"):
+        layer_spec(transformer_config(arch, tp=4, pp=1), ranks.layers[0], Layout.DENSE, 0)

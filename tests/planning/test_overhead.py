@@ -81,7 +81,7 @@ def test_fit_recovers_known_fixed_costs() -> None:
     table, tp, slope = params_only(), 2, 3e-9
     work = Workload(tp=tp, batch=1, context=overhead.PROMPT + overhead.NEW_TOKENS // 2)
     measured = {}
-    for s, size in enumerate(overhead.SIZES):
+    for s, size in enumerate(overhead.sizes(tp)):
         arch, rank_config, _ = overhead._model(size)
         priced = choose_layouts(arch, rank_config, work, table).seconds[0]
         config = transformer_config(arch, tp=tp, pp=1)
@@ -108,11 +108,12 @@ def test_cache_of_the_previous_format_is_ignored(tmp_path, monkeypatch) -> None:
     del old["overhead"]
     path = cache_path(key, tmp_path)
     path.write_text(json.dumps(old))
-    assert cost_model.FORMAT == 6 and load_cached(path, key) is None
+    assert cost_model.FORMAT == 7 and load_cached(path, key) is None
     # nor is a complete format-3 table (its collectives and fixed times were timed with hot
-    # caches), format-4 one (its fixed times hold the attention, now timed on its own) or
-    # format-5 one (its fixed times hold the waits for a peer still flushing its caches)
-    for old_format in (3, 4, 5):
+    # caches), format-4 one (its fixed times hold the attention, now timed on its own),
+    # format-5 one (its fixed times hold the waits for a peer still flushing its caches) or
+    # format-6 one (above TP 4 its fixed times lack the dense layout's)
+    for old_format in (3, 4, 5, 6):
         stale = cache_path(key, tmp_path / f"format{old_format}")
         cost_model.save(replace(params_only(), key=replace(key, format=old_format), overhead=zero_overhead(2)), stale)
         assert load_cached(stale, key) is None
@@ -129,6 +130,67 @@ def test_cache_of_the_previous_format_is_ignored(tmp_path, monkeypatch) -> None:
     cost_model.host_table(tp=4, threads=1, root=tmp_path)  # another TP size: its own overhead, once
     cost_model.host_table(tp=4, threads=1, root=tmp_path)
     assert measured == [2, 4] and set(load_cached(path, key).overhead) == {"2", "4"}
+
+
+@pytest.mark.parametrize("tp", [*range(1, 13), 16, 64])
+def test_calibration_models_split_at_every_tp_size(tp: int) -> None:
+    """The models that measure the fixed times at TP ``tp`` are ones Megatron and the project
+    split at ``tp`` in every layout, dense included (a KV head per rank), and their plans price;
+    at TP 1, 2 and 4 they are the shapes every earlier table was measured on."""
+    from deinfer_megatron.arch.model import transformer_config
+    from deinfer_megatron.models.build import check_parallel_sizes
+
+    configs = overhead.sizes(tp)
+    assert len(configs) == 2
+    for size in configs:
+        arch, rank_config, _ = overhead._model(size)
+        check_parallel_sizes(arch, tp, 1)  # the project's own check: valid TP sizes
+        transformer_config(arch, tp=tp, pp=1)  # Megatron's: heads and KV heads split by TP
+        assert arch.num_kv_heads >= max(tp, overhead.MIN_KV_HEADS) and arch.num_kv_heads % tp == 0
+        assert arch.hidden_size % arch.num_heads == 0 and (arch.hidden_size // arch.num_heads) % 2 == 0
+    assert configs[1]["hidden_size"] == 2 * configs[0]["hidden_size"]
+    assert overhead._layouts() == ("deinfer", "naive", "dense")
+    work = overhead._fit_workload(tp)
+    arch, rank_config, _ = overhead._model(configs[0])
+    choice = choose_layouts(arch, rank_config, work, params_only())
+    assert set(choice.seconds[0]["attention"]) == {"deinfer", "naive", "dense"}
+    if tp in (1, 2, 4):
+        assert [(c["num_attention_heads"], c["num_key_value_heads"], c["hidden_size"], c["intermediate_size"])
+                for c in configs] == [(8, 4, 64, 176), (8, 4, 128, 352)]
+
+
+def test_a_failed_calibration_is_one_line_and_auto_falls_back(tmp_path, monkeypatch, caplog) -> None:
+    """Whatever stops the measurement (here a measuring rank's multi-line failure), ``host_table``
+    raises one line naming what it measured and why it stopped, caches nothing, and ``auto``
+    builds the fixed fallback layout with one warning line instead of failing the job."""
+    import logging
+
+    from deinfer_megatron.launch.local import RankFailed
+    from deinfer_megatron.planning.auto import FALLBACK, auto_plan
+
+    def broken(table, tp):
+        raise RankFailed("rank 1 failed with ValueError: heads do not split\nTraceback (most recent call last):\n  ...")
+
+    monkeypatch.setattr("deinfer_megatron.planning.calibrate.measure_shapes", fake_measure_shapes)
+    monkeypatch.setattr("deinfer_megatron.planning.calibrate.measure_attention", fake_measure_attention)
+    monkeypatch.setattr("deinfer_megatron.planning.calibrate.calibrate",
+                        lambda k, *, collectives: replace(params_only(), key=k))
+    monkeypatch.setattr("deinfer_megatron.planning.overhead.measure_overhead", broken)
+    with pytest.raises(cost_model.CalibrationFailed) as err:
+        cost_model.host_table(tp=3, threads=1, root=tmp_path)
+    assert "\n" not in str(err.value) and "framework time at TP=3" in str(err.value)
+    assert str(err.value).endswith("RankFailed: rank 1 failed with ValueError: heads do not split")
+    assert not list(tmp_path.iterdir()), "nothing is cached from a failed measurement"
+
+    monkeypatch.setenv("DEINFER_MEGATRON_CACHE", str(tmp_path))
+    arch, ranks = _model()
+    with caplog.at_level(logging.INFO, logger="deinfer_megatron"):
+        choice = auto_plan(arch, ranks, Workload(tp=2))
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "\n" not in warnings[0].getMessage()
+    assert "using the deinfer layout for every block" in warnings[0].getMessage()
+    assert choice.plan == choice.plan.uniform(FALLBACK, arch.num_layers) and choice.seconds == []
+    assert not list(tmp_path.rglob("*.json")), "nor from the job's own attempt"
 
 
 def test_calibration_on_two_ranks() -> None:
