@@ -18,6 +18,7 @@ PACKAGE_ORDER: tuple[frozenset[str], ...] = (
     frozenset({"models"}),  # building and loading a pipeline stage; its forward across stages
     frozenset({"planning"}),  # the cost of a layout, computed without running it
     frozenset({"training"}),  # a training step of built stages: schedules, optimizer, clipping
+    frozenset({"runtime"}),  # the one job runtime: validate, resolve one plan, run on ranks, shut down
     frozenset({"evaluation", "generation", "decompose", "conversion"}),  # the jobs
     frozenset({"serving", "healing"}),  # the OpenAI-compatible server; heal (distillation, reuses decompose's data)
     frozenset({"bench"}),  # timing the jobs

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from deinfer_megatron.specs.layout import Layout
+
 SYNTHETIC = "llama-tiny"  # 4 layers, hidden 64, 8 heads / 4 KV heads, vocabulary 256
 RANKS = {"self_attn.q_proj": 22, "self_attn.k_proj": 13, "self_attn.v_proj": 11, "self_attn.o_proj": 19,
          "mlp.gate_proj": 29, "mlp.up_proj": 27, "mlp.down_proj": 25}  # layers 0-2; layer 3 dense
@@ -57,7 +59,7 @@ def build(arch: Any, rank_config: Any, tp: int, layout: str) -> Any:
 
     config = transformer_config(arch, tp=tp, pp=1)
     with torch.device("meta"):
-        model = GPTModel(config, decomposed_block_spec(config, rank_config, layout),
+        model = GPTModel(config, decomposed_block_spec(config, rank_config, Layout(layout)),
                          vocab_size=-(-arch.vocab_size // tp) * tp,  # Megatron splits it evenly
                          max_sequence_length=arch.max_positions, parallel_output=False,
                          share_embeddings_and_output_weights=arch.tied_embeddings,

@@ -27,6 +27,7 @@ from deinfer_megatron import patches
 from deinfer_megatron.arch.model import ModelArch, transformer_config
 from deinfer_megatron.checkpoints.loader import load_stage
 from deinfer_megatron.specs.builder import decomposed_block_spec
+from deinfer_megatron.specs.layout import Layout
 from deinfer_megatron.specs.rank_config import RankConfig
 
 SYNTHETIC = "llama-tiny"  # 4 layers, hidden 64, 8 heads / 4 KV heads, vocabulary 256
@@ -75,7 +76,7 @@ def build_model(arch: ModelArch, rank_config: RankConfig, pgs: Any, layout: str 
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     config = transformer_config(arch, tp=1, pp=1)  # a megatron.core TransformerConfig
-    block_spec = decomposed_block_spec(config, rank_config, layout)
+    block_spec = decomposed_block_spec(config, rank_config, Layout(layout))
     with torch.device("meta"):
         model = GPTModel(
             config,

@@ -44,6 +44,7 @@ from deinfer_megatron import patches
 from deinfer_megatron.arch.model import transformer_config
 from deinfer_megatron.models.synthetic import synthetic_arch
 from deinfer_megatron.specs.builder import decomposed_block_spec
+from deinfer_megatron.specs.layout import Layout
 from deinfer_megatron.specs.rank_config import RankConfig
 from deinfer_megatron.training import clip_by_global_norm
 
@@ -79,7 +80,7 @@ def build_model(tp: int, layout: str, pgs: Any, seed: int) -> Any:
     config.perform_initialization = True  # train from scratch: every factor drawn by its init_method
     torch.manual_seed(seed)
     return GPTModel(
-        config, decomposed_block_spec(config, RankConfig.from_mapping(ranks, arch), layout),
+        config, decomposed_block_spec(config, RankConfig.from_mapping(ranks, arch), Layout(layout)),
         vocab_size=arch.vocab_size, max_sequence_length=arch.max_positions, parallel_output=False,
         share_embeddings_and_output_weights=False, position_embedding_type="rope",
         rotary_base=arch.rope_theta, pg_collection=pgs,

@@ -139,13 +139,14 @@ def measure(s: Settings) -> dict[str, Any]:
     from deinfer_megatron.models.build import load_folder
     from deinfer_megatron.models.pipeline import stage_forward
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+    from deinfer_megatron.specs.layout import Layout
     from deinfer_megatron.training import OptimizerConfig, Trainer
 
     windows = _windows(s)
     groups = init_parallel(1, 1)
     try:
-        student = load_folder(s.model, s.layout, groups)
-        teacher = load_folder(s.teacher, "dense", groups)
+        student = load_folder(s.model, Layout(s.layout), groups)
+        teacher = load_folder(s.teacher, Layout.DENSE, groups)
         total = 2 * s.steps
         trainer = Trainer(student, OptimizerConfig(lr=s.lr, total_steps=total, warmup_steps=0, min_lr=0.1 * s.lr,
                                                    betas=(0.9, 0.95), clip_grad=1.0), train="factors")

@@ -1,9 +1,11 @@
 """The bench's configuration grid and the parent side of running one cell.
 
-A cell is (layout, KV cache, TP, batch, prompt length). Each runs in fresh ranks (one
-``spawn_local`` per cell, ~5 s of start-up each) so that no cell inherits another's caches,
-allocator state or warmed-up pages. A cell that cannot apply (latent cache off the deinfer
-layout, a factored layout on a dense folder, dense attention with more ranks than KV heads) is
+A cell is (layout, KV cache, TP, batch, prompt length), a job of the runtime (``runtime.job``;
+``measure.CellJob``): every cell is prepared first — its checks, its one plan (``auto`` priced
+for the cell's batch and context), its memory check — and then runs in fresh ranks (~5 s of
+start-up each) so that no cell inherits another's caches, allocator state or warmed-up pages. A
+cell that cannot apply (latent cache off the deinfer layout, a factored layout on a dense
+folder, dense attention with more ranks than KV heads, more memory than the machine has) is
 recorded as skipped with the reason; a cell that fails is recorded with its one-line error and
 the matrix goes on.
 """
@@ -11,22 +13,28 @@ the matrix goes on.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from deinfer_megatron.bench.measure import CellJob, check_lengths, measure_cell
 from deinfer_megatron.bench.records import Cell, CellRecord, CellStatus, PlanTotals, RankMeasurement
 from deinfer_megatron.bench.sources import ModelSource
 from deinfer_megatron.generation.prefill import DEFAULT_MAX_PREFILL_TOKENS, check_max_tokens
 from deinfer_megatron.layers.kv_cache import CacheKind
-from deinfer_megatron.specs.layout import AUTO, Layout, LayoutPlan
+from deinfer_megatron.parallel.collectives import Collectives
+from deinfer_megatron.parallel.topology import check_parallel_sizes
+from deinfer_megatron.planning.plan import make_plan
+from deinfer_megatron.planning.request import LayoutRequest, choices
+from deinfer_megatron.runtime.job import Prepared, prepare, run_prepared
+from deinfer_megatron.runtime.options import Parallelism
 
 if TYPE_CHECKING:
     from deinfer_megatron.bench.peers import Peer
 
-LAYOUTS: tuple[Layout | str, ...] = (AUTO, *Layout)  # auto: the cost model's plan per cell
+LAYOUTS: tuple[LayoutRequest, ...] = tuple(LayoutRequest.parse(name) for name in choices())  # auto first
 KV_CACHES: tuple[CacheKind, ...] = tuple(CacheKind)
 
 
@@ -37,7 +45,7 @@ class BenchGrid:
     model: Path | None = None
     synthetic: str | None = None
     ratio: float = 0.6
-    layouts: tuple[Layout | str, ...] = LAYOUTS
+    layouts: tuple[LayoutRequest, ...] = LAYOUTS  # names and layouts are parsed
     kv_caches: tuple[CacheKind, ...] = (CacheKind.FULL,)
     tps: tuple[int, ...] = (1, 2)
     batches: tuple[int, ...] = (1, 8, 32)
@@ -55,6 +63,11 @@ class BenchGrid:
     # link the cells' ranks use, priced by ``auto`` and ``--predict`` in place of the host table's
     # local ones: set by a runner whose ranks do not share memory (the two-namespace bench)
     collectives: dict[str, list[float]] | None = None
+    transport: Collectives = Collectives.AUTO  # what carries the cells' TP collectives (parallel.collectives)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layouts", tuple(LayoutRequest.parse(l) for l in self.layouts))
+        object.__setattr__(self, "transport", Collectives.parse(self.transport))
 
 
 @dataclass(frozen=True)
@@ -80,7 +93,7 @@ class BenchConfig:
         g, o = self.grid, self.outputs
         path = lambda p: None if p is None else str(p)  # noqa: E731
         args = {"model": path(g.model), "synthetic": g.synthetic, "ratio": g.ratio,
-                "layouts": [getattr(l, "value", l) for l in g.layouts], "kv_caches": [k.value for k in g.kv_caches],
+                "layouts": [l.name for l in g.layouts], "kv_caches": [k.value for k in g.kv_caches],
                 "tps": list(g.tps), "batches": list(g.batches), "prompt_lens": list(g.prompt_lens),
                 "gen_len": g.gen_len, "repeats": g.repeats, "seed": g.seed, "json": path(o.json),
                 "markdown": path(o.markdown), "plot": path(o.plot), "roofline": g.roofline,
@@ -103,9 +116,10 @@ def check_config(cfg: BenchConfig) -> None:
 
         synthetic_config(grid.synthetic)  # unknown name → names the choices
         check_ratio(grid.ratio)
-    for flag, values, allowed in (("--layouts", grid.layouts, LAYOUTS), ("--kv-cache", grid.kv_caches, KV_CACHES)):
+    for flag, values, allowed in (("--layouts", grid.layouts, choices()),
+                                  ("--kv-cache", grid.kv_caches, [k.value for k in KV_CACHES])):
         if not values:
-            raise ValueError(f"{flag} needs at least one of {','.join(getattr(m, 'value', m) for m in allowed)}")
+            raise ValueError(f"{flag} needs at least one of {','.join(allowed)}")
     for flag, ints in (("--tp", grid.tps), ("--batch", grid.batches), ("--prompt-len", grid.prompt_lens)):
         if not ints:
             raise ValueError(f"{flag} needs at least one positive integer, e.g. {flag} 1,2")
@@ -124,15 +138,11 @@ def check_config(cfg: BenchConfig) -> None:
 
 
 def check_sizes(grid: BenchGrid, source: ModelSource) -> None:
-    """TP sizes and lengths this model cannot take (the same one-line errors as ``plan``)."""
-    from deinfer_megatron.models.build import check_parallel_sizes
-
+    """TP sizes and lengths this model cannot take (the same one-line errors as ``plan``),
+    before any cell is prepared."""
     for tp in grid.tps:
         check_parallel_sizes(source.arch, tp, 1)
-    needed, context = max(grid.prompt_lens) + grid.gen_len, source.arch.max_positions
-    if needed > context:
-        raise ValueError(f"--prompt-len {max(grid.prompt_lens)} + --gen-len {grid.gen_len} = {needed} exceeds "
-                         f"the model's context of {context} tokens; lower one of them")
+    check_lengths(source.arch, max(grid.prompt_lens), grid.gen_len)
 
 
 def make_cells(grid: BenchGrid) -> list[Cell]:
@@ -149,30 +159,35 @@ def random_prompts(vocab: int, batch: int, prompt_len: int, seed: int) -> tuple[
     return tuple(tuple(row) for row in ids.tolist())
 
 
-def cell_layout(cell: Cell, source: ModelSource, gen_len: int = 32,
-                collectives: dict[str, list[float]] | None = None) -> Layout | LayoutPlan:
-    """The layout the cell's ranks build: its fixed layout, or for ``auto`` the cost model's
-    plan for the cell's TP, batch, context (prompt + new tokens) and KV cache on this host
-    (with ``collectives`` in place of the host table's rates: ``BenchGrid.collectives``)."""
-    if cell.layout != AUTO:
-        return cell.layout
-    from deinfer_megatron.planning.auto import Workload, auto_plan
-
-    work = Workload(tp=cell.tp, batch=cell.batch, context=cell.prompt_len + gen_len,
-                    latent_cache=cell.kv_cache is CacheKind.LATENT)
-    return auto_plan(source.arch, source.rank_config, work, collectives=collectives).plan
+def cell_job(cell: Cell, source: ModelSource, grid: BenchGrid) -> CellJob:
+    """What the cell's ranks run (its folder: the source's, replaced by the multiplied-out one
+    when the plan is dense throughout: ``prepare_cell``)."""
+    return CellJob(source.folder, Parallelism(cell.tp, 1, cell.layout, grid.transport), cell.kv_cache,
+                   cell.batch, cell.prompt_len, grid.gen_len, grid.repeats,
+                   random_prompts(source.arch.vocab_size, cell.batch, cell.prompt_len, grid.seed),
+                   profile=grid.profile, max_prefill_tokens=grid.max_prefill_tokens)
 
 
-def plan_totals(cell: Cell, source: ModelSource, gen_len: int = 32,
-                collectives: dict[str, list[float]] | None = None) -> PlanTotals:
-    """The planner's per-token totals for this cell (ValueError when the layout cannot run)."""
-    from deinfer_megatron.planning.plan import make_plan
+def prepare_cell(cell: Cell, source: ModelSource, grid: BenchGrid) -> Prepared:
+    """The cell as a prepared job of the runtime: its checks and its one plan, ``auto`` priced
+    for the cell's TP, batch, context and KV cache on this host (with ``grid.collectives`` in
+    place of the host table's rates); ValueError when the cell cannot run."""
+    reason = source.skip_reason(cell.layout, cell.kv_cache)
+    if reason is not None:
+        raise ValueError(reason)
+    prepared = prepare(cell_job(cell, source, grid), opened=(source.arch, source.rank_config),
+                       collectives=grid.collectives)
+    assert prepared.plan is not None, "bench cells run in ranks of their own, never under a launcher"
+    return replace(prepared, spec=replace(prepared.spec, model=source.folder_for(prepared.plan)))
 
-    plan = make_plan(source.arch, source.rank_config, cell_layout(cell, source, gen_len, collectives), tp=cell.tp,
-                     batch=cell.batch)
+
+def plan_totals(prepared: Prepared) -> PlanTotals:
+    """The planner's per-token totals for a prepared cell's plan."""
+    spec = prepared.spec
+    plan = make_plan(prepared.arch, prepared.rank_config, prepared.plan, tp=spec.tp, batch=spec.batch)
     t = plan.totals
     return PlanTotals(t["collectives_per_token"], t["elements_per_token"], t["params_per_rank"],
-                      t["kv_bytes_per_token"][cell.kv_cache.value],
+                      t["kv_bytes_per_token"][spec.kv_cache.value],
                       tuple(tuple(op) for layer in plan.layers for op in layer.collective_ops))
 
 
@@ -181,41 +196,46 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
-def run_cell(cell: Cell, source: ModelSource, grid: BenchGrid) -> list[RankMeasurement]:
-    """Run ``cell`` in fresh ranks; every rank's measurements, by rank."""
-    from deinfer_megatron.bench.measure import CellJob, cell_worker
-    from deinfer_megatron.launch.local import spawn_local
-
-    layout = cell_layout(cell, source, grid.gen_len, grid.collectives)
-    job = CellJob(source.folder_for(layout), layout, cell.kv_cache, cell.tp, cell.batch,
-                  cell.prompt_len, grid.gen_len, grid.repeats,
-                  random_prompts(source.arch.vocab_size, cell.batch, cell.prompt_len, grid.seed),
-                  profile=grid.profile, max_prefill_tokens=grid.max_prefill_tokens)
-    return spawn_local(cell.tp, cell_worker, job, timeout=grid.cell_timeout_s)
+def run_cell(prepared: Prepared, grid: BenchGrid) -> list[RankMeasurement]:
+    """Run a prepared cell in fresh local ranks; every rank's measurements, by rank."""
+    return run_prepared(prepared, measure_cell, timeout=grid.cell_timeout_s)
 
 
-Runner = Callable[[Cell, ModelSource, BenchGrid], list[RankMeasurement]]
+Runner = Callable[[Prepared, BenchGrid], list[RankMeasurement]]
+PreparedCell = tuple[Cell, "Prepared | str"]  # a cell and its prepared job, or why it does not apply
 
 
-def run_matrix(grid: BenchGrid, source: ModelSource, runner: Runner = run_cell, *,
+def prepare_cells(grid: BenchGrid, source: ModelSource) -> list[PreparedCell]:
+    """Every cell of the grid with its prepared job, or the reason it does not apply; one line
+    naming why when none applies."""
+    out: list[PreparedCell] = []
+    for cell in make_cells(grid):
+        try:
+            out.append((cell, prepare_cell(cell, source, grid)))
+        except ValueError as err:  # e.g. dense attention with more ranks than KV heads
+            out.append((cell, str(err).splitlines()[0]))
+    if all(isinstance(p, str) for _, p in out):
+        raise ValueError("no configuration can run: " + "; ".join(dict.fromkeys(p for _, p in out)))
+    return out
+
+
+def run_matrix(grid: BenchGrid, cells: list[PreparedCell], runner: Runner = run_cell, *,
                progress: bool = True) -> list[CellRecord]:
     """Every cell's record: measured (with per-rank results), skipped or failed."""
     from tqdm import tqdm
 
-    cells = make_cells(grid)
     records = []
     bar = tqdm(cells, desc="bench", unit="cell", disable=not progress, dynamic_ncols=True)
-    for cell in bar:
+    for cell, prepared in bar:
         bar.set_postfix_str(cell.label())
         head = dict(cell=cell, gen_len=grid.gen_len, repeats=grid.repeats)
-        reason = skip_reason(cell, source)
-        if reason is not None:
-            records.append(CellRecord(**head, status=CellStatus.SKIPPED, reason=reason))
+        if isinstance(prepared, str):
+            records.append(CellRecord(**head, status=CellStatus.SKIPPED, reason=prepared))
             continue
-        plan = plan_totals(cell, source, grid.gen_len, grid.collectives)
+        plan = plan_totals(prepared)
         start = time.perf_counter()
         try:
-            ranks = runner(cell, source, grid)
+            ranks = runner(prepared, grid)
         except Exception as err:  # noqa: BLE001 - a failed cell is data; the matrix goes on
             records.append(CellRecord(**head, status=CellStatus.ERROR, plan=plan, error=_first_line(err),
                                       wall_s=time.perf_counter() - start))
@@ -224,21 +244,3 @@ def run_matrix(grid: BenchGrid, source: ModelSource, runner: Runner = run_cell, 
                                   ranks=tuple(ranks)))
     bar.close()
     return records
-
-
-def skip_reason(cell: Cell, source: ModelSource) -> str | None:
-    """Why ``cell`` does not apply to this model (recorded, not an error); None when it does."""
-    reason = source.skip_reason(cell.layout, cell.kv_cache)
-    if reason is None:
-        try:
-            plan_totals(cell, source)
-        except ValueError as err:  # e.g. dense attention with more ranks than KV heads
-            reason = str(err).splitlines()[0]
-    return reason
-
-
-def require_runnable(grid: BenchGrid, source: ModelSource) -> None:
-    """One-line error when every cell would be skipped, naming why."""
-    reasons = [skip_reason(cell, source) for cell in make_cells(grid)]
-    if all(reasons):
-        raise ValueError("no configuration can run: " + "; ".join(dict.fromkeys(r for r in reasons if r)))

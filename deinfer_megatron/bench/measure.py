@@ -13,35 +13,74 @@ does not allow the reset, that figure is None. ``resource.getrusage`` is the fal
 
 from __future__ import annotations
 
+import pickle
 import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deinfer_megatron.arch.model import ModelArch
 from deinfer_megatron.bench.records import DecodeStepComm, RankMeasurement, Sample
-from deinfer_megatron.generation.prefill import DEFAULT_MAX_PREFILL_TOKENS
+from deinfer_megatron.generation.context import GenerationContext, describe
+from deinfer_megatron.generation.loop import generate_tokens
+from deinfer_megatron.generation.prefill import DEFAULT_MAX_PREFILL_TOKENS, largest_forward_rows
+from deinfer_megatron.generation.sampling import SamplingParams
 from deinfer_megatron.layers.kv_cache import CacheKind
-from deinfer_megatron.parallel.collectives import Collectives
-from deinfer_megatron.specs.layout import Layout, LayoutPlan
+from deinfer_megatron.parallel import comm
+from deinfer_megatron.planning.auto import Workload
+from deinfer_megatron.planning.preflight import Footprint
+from deinfer_megatron.runtime.job import RankContext
+from deinfer_megatron.runtime.options import DType, Engine, Parallelism
+from deinfer_megatron.specs.layout import LayoutPlan, latent_cache_layouts
+from deinfer_megatron.specs.rank_config import RankConfig
 
 
 @dataclass(frozen=True)
 class CellJob:
-    """One configuration, as handed to every rank (picklable)."""
+    """One configuration, as every rank runs it (``runtime.job.JobSpec``; picklable)."""
 
-    folder: Path
-    layout: Layout | LayoutPlan  # ``auto`` cells come resolved (``matrix.cell_layout``)
+    model: Path
+    parallel: Parallelism  # TP, PP 1, the cell's layout request and the transport
     kv_cache: CacheKind
-    tp: int
     batch: int
     prompt_len: int
     gen_len: int
     repeats: int
     prompts: tuple[tuple[int, ...], ...]  # batch × prompt_len random ids, the same on every rank
-    collectives: Collectives = Collectives.AUTO  # what carries the TP collectives (parallel.collectives)
     profile: bool = False  # one more run, its first decode step profiled (bench.profile)
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS  # rows per prefill forward (generation.prefill)
+    dtype = DType.FLOAT32
+    engine = Engine.MEGATRON
+    verify = False  # the bench verified the folder once (bench.sources)
+
+    @property
+    def tp(self) -> int:
+        return self.parallel.tp
+
+    def check(self, arch: ModelArch, rank_config: RankConfig) -> None:
+        check_lengths(arch, self.prompt_len, self.gen_len)
+
+    def workload(self) -> Workload:
+        return Workload(tp=self.tp, batch=self.batch, context=self.prompt_len + self.gen_len,
+                        latent_cache=self.kv_cache is CacheKind.LATENT)
+
+    def footprint(self, arch: ModelArch) -> Footprint:
+        return Footprint(kv_tokens=self.batch * (self.prompt_len + self.gen_len), kv_cache=self.kv_cache,
+                         prefill_rows=largest_forward_rows(self.batch, self.prompt_len, self.max_prefill_tokens),
+                         context=self.prompt_len, logit_rows=self.batch)
+
+    def check_plan(self, plan: LayoutPlan) -> None:
+        if self.kv_cache is CacheKind.LATENT and not plan.supports_latent_cache:
+            raise ValueError(f"the latent KV cache applies to the {latent_cache_layouts()} layout only")
+
+
+def check_lengths(arch: ModelArch, prompt_len: int, gen_len: int) -> None:
+    """A prompt and its new tokens must fit the model's context."""
+    needed = prompt_len + gen_len
+    if needed > arch.max_positions:
+        raise ValueError(f"--prompt-len {prompt_len} + --gen-len {gen_len} = {needed} exceeds "
+                         f"the model's context of {arch.max_positions} tokens; lower one of them")
 
 
 def _status_kb(field: str) -> int | None:
@@ -80,21 +119,18 @@ class StepProbe:
     """
 
     def __init__(self, batch: int, record: bool) -> None:
-        from deinfer_megatron.parallel import comm
-
         self.batch = batch
         self.calls = 0
         self.marks: list[float] = []
         self.ledger = comm.CommLedger() if record else None
         self._recording: Any = None
-        self._comm = comm
 
     def on_token(self, row: int, token: int) -> None:
         if self.calls % self.batch == 0:
             self.marks.append(time.perf_counter())
             step = len(self.marks) - 1
             if self.ledger is not None and step == 0:
-                self._recording = self._comm.recording(self.ledger)
+                self._recording = comm.recording(self.ledger)
                 self._recording.__enter__()
             elif step == 1:
                 self.close()
@@ -107,9 +143,6 @@ class StepProbe:
 
 
 def _one_run(stage: Any, job: CellJob, context: Any, record: bool) -> tuple[Sample, Any]:
-    from deinfer_megatron.generation.loop import generate_tokens
-    from deinfer_megatron.generation.sampling import SamplingParams
-
     probe = StepProbe(job.batch, record)
     start = time.perf_counter()
     try:
@@ -143,38 +176,26 @@ def _ledger_summary(ledger: Any) -> DecodeStepComm:
                           tokens_per_collective=tuple(sorted({r.tokens for r in ledger.records})))
 
 
-def cell_worker(job: CellJob) -> RankMeasurement:
-    """Run one cell on this rank; every rank returns its own measurements."""
-    from deinfer_megatron.checkpoints.folder import open_model
-    from deinfer_megatron.generation.context import GenerationContext, describe
-    from deinfer_megatron.models.build import build_stage, load_weights
-    from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+def measure_cell(ctx: RankContext) -> list[RankMeasurement] | None:
+    """One cell on this rank (``runtime.job.run_prepared``'s body); every rank's measurements,
+    by TP rank, on global rank 0 (the one the runtime reports), None on the others."""
+    job, stage = ctx.spec, ctx.stage
+    rss_after_load = peak_rss_bytes()
+    reset = reset_peak_rss()
+    context = GenerationContext(job.batch, job.prompt_len + job.gen_len, kv_cache=job.kv_cache)
+    warmup, ledger = _one_run(stage, job, context, record=True)
+    samples = tuple(_one_run(stage, job, context, record=False)[0] for _ in range(job.repeats))
+    profile = None
+    if job.profile:
+        from deinfer_megatron.bench.profile import profile_run
+        from deinfer_megatron.parallel.topology import TPView
 
-    t0 = time.perf_counter()
-    groups = init_parallel(job.tp, 1, collectives=job.collectives)
-    try:
-        folder = open_model(job.folder, verify=False)  # the parent verified it once
-        stage = build_stage(folder.arch, folder.rank_config, job.layout, groups)
-        load_weights(stage, folder.source, folder.rank_config)
-        load_s = time.perf_counter() - t0
-        rss_after_load = peak_rss_bytes()
-        reset = reset_peak_rss()
-        context = GenerationContext(job.batch, job.prompt_len + job.gen_len, kv_cache=job.kv_cache)
-        warmup, ledger = _one_run(stage, job, context, record=True)
-        samples = tuple(_one_run(stage, job, context, record=False)[0] for _ in range(job.repeats))
-        profile = None
-        if job.profile:
-            from deinfer_megatron.bench.profile import profile_run
-            from deinfer_megatron.parallel.topology import TPView
-
-            profile = profile_run(stage, job, context, TPView.of(groups.pg_collection.tp))
-        cache = describe(context)
-        rss_run = peak_rss_bytes() if reset else None
-    finally:
-        shutdown()
-    return RankMeasurement(
-        tp_rank=groups.tp_rank,
-        load_s=load_s,
+        profile = profile_run(stage, job, context, TPView.of(ctx.groups.pg_collection.tp))
+    cache = describe(context)
+    rss_run = peak_rss_bytes() if reset else None
+    mine = RankMeasurement(
+        tp_rank=ctx.groups.tp_rank,
+        load_s=ctx.load_s,
         warmup=warmup,
         samples=samples,
         decode_step_comm=_ledger_summary(ledger),
@@ -184,3 +205,5 @@ def cell_worker(job: CellJob) -> RankMeasurement:
         kv_bytes_per_token=cache["kv_bytes_per_token"],
         profile=profile,
     )
+    every = [pickle.loads(b) for b in comm.gather_bytes(pickle.dumps(mine), stage.device)]
+    return sorted(every, key=lambda m: m.tp_rank) if ctx.reports else None

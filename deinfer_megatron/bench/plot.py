@@ -9,12 +9,15 @@ import io
 from deinfer_megatron.bench.records import CellRecord, CellStatus
 from deinfer_megatron.bench.report import BenchDocument
 from deinfer_megatron.layers.kv_cache import CacheKind
-from deinfer_megatron.specs.layout import AUTO, Layout
+from deinfer_megatron.planning.request import LayoutRequest, choices
 
-STYLE = {Layout.DENSE: ("tab:gray", "s"), Layout.NAIVE: ("tab:red", "v"), Layout.DEINFER: ("tab:blue", "o"),
-         AUTO: ("tab:green", "D")}
+# One colour and marker per --layout choice, in the order of ``choices()`` (auto first): a new
+# layout takes the next pair.
+_PALETTE = (("tab:green", "D"), ("tab:blue", "o"), ("tab:red", "v"), ("tab:gray", "s"),
+            ("tab:purple", "^"), ("tab:orange", "P"), ("tab:brown", "X"))
+STYLE = {name: _PALETTE[i % len(_PALETTE)] for i, name in enumerate(choices())}
 
-Series = dict[tuple[Layout, CacheKind, int], list[tuple[int, float]]]  # (layout, kv, ctx) → (batch, tok/s)
+Series = dict[tuple[LayoutRequest, CacheKind, int], list[tuple[int, float]]]  # (layout, kv, ctx) → (batch, tok/s)
 
 
 def _measured(records: tuple[CellRecord, ...]) -> list[CellRecord]:
@@ -30,8 +33,8 @@ def _series(records: tuple[CellRecord, ...], tp: int) -> Series:
     return {k: sorted(v) for k, v in lines.items()}
 
 
-def _label(layout: Layout | str, kv: CacheKind, ctx: int, several_ctx: bool) -> str:
-    label = getattr(layout, "value", layout) + ("" if kv is CacheKind.FULL else f" ({kv.value} KV)")
+def _label(layout: LayoutRequest, kv: CacheKind, ctx: int, several_ctx: bool) -> str:
+    label = layout.name + ("" if kv is CacheKind.FULL else f" ({kv.value} KV)")
     return label + (f" ctx={ctx}" if several_ctx else "")
 
 
@@ -48,7 +51,7 @@ def render_png(doc: BenchDocument) -> bytes:
     fig, axes = plt.subplots(1, len(tps) + 1, figsize=(4.5 * (len(tps) + 1), 4), squeeze=False)
     for ax, tp in zip(axes[0], tps):
         for (layout, kv, ctx), points in _series(records, tp).items():
-            color, marker = STYLE[layout]
+            color, marker = STYLE[layout.name]
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker=marker, color=color, label=_label(layout, kv, ctx, several_ctx),
                     linestyle="--" if kv is CacheKind.LATENT else "-")
@@ -62,15 +65,15 @@ def render_png(doc: BenchDocument) -> bytes:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     ax = axes[0][-1]
-    layouts = [l for l in Layout if any(r.cell.layout is l for r in records)]
+    layouts = [l for l in dict.fromkeys(r.cell.layout for r in records) if not l.is_auto]  # fixed: one plan per TP
     width = 0.8 / max(1, len(layouts))
     for i, layout in enumerate(layouts):
         elems = []
         for tp in tps:
             vals = [r.summary.elements_per_token for r in _measured(records)
-                    if r.cell.layout is layout and r.cell.tp == tp]
+                    if r.cell.layout == layout and r.cell.tp == tp]
             elems.append(vals[0] if vals else 0)
-        ax.bar([j + i * width for j in range(len(tps))], elems, width, label=layout.value, color=STYLE[layout][0])
+        ax.bar([j + i * width for j in range(len(tps))], elems, width, label=layout.name, color=STYLE[layout.name][0])
     ax.set_xticks([j + width * (len(layouts) - 1) / 2 for j in range(len(tps))], [f"TP={t}" for t in tps])
     ax.set_ylabel("elements communicated per token")
     ax.set_title("communication per token")

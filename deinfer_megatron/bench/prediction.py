@@ -14,7 +14,7 @@ from typing import Any
 
 from deinfer_megatron.bench.records import CellRecord, Prediction
 from deinfer_megatron.layers.kv_cache import CacheKind
-from deinfer_megatron.specs.layout import AUTO, Layout, LayoutPlan
+from deinfer_megatron.specs.layout import LayoutPlan
 
 
 def _plan_name(choice: Any) -> str:
@@ -66,10 +66,10 @@ def predict(rec: CellRecord, source: Any, table: Any = None,
     choice = auto_plan(source.arch, source.rank_config, work, table, collectives)
     if not choice.seconds:  # the fallback of a machine without a cost table
         return None
-    if cell.layout == AUTO:
+    if cell.layout.is_auto:
         plan, chosen = choice.plan, _plan_name(choice)
     else:
-        layout = Layout.parse(cell.layout)
+        layout = cell.layout.fixed
         if choice.fixed_step_seconds(layout) is None:
             return None
         plan, chosen = LayoutPlan.uniform(layout, source.arch.num_layers), layout.value

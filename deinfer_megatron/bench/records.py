@@ -14,7 +14,7 @@ from enum import Enum
 from typing import Any
 
 from deinfer_megatron.layers.kv_cache import CacheKind
-from deinfer_megatron.specs.layout import Layout
+from deinfer_megatron.planning.request import LayoutRequest
 
 
 class CellStatus(str, Enum):
@@ -27,15 +27,18 @@ class CellStatus(str, Enum):
 class Cell:
     """One point of the grid: (layout, KV cache, TP, batch, prompt length)."""
 
-    layout: Layout | str  # a fixed layout, or "auto" (resolved per cell by the cost model)
+    layout: LayoutRequest  # a fixed layout, or auto (resolved per cell by the cost model); names are parsed
     kv_cache: CacheKind
     tp: int
     batch: int
     prompt_len: int
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", LayoutRequest.parse(self.layout))
+
     @property
     def layout_name(self) -> str:
-        return self.layout.value if isinstance(self.layout, Layout) else str(self.layout)
+        return self.layout.name
 
     def label(self) -> str:
         return f"{self.layout_name}/{self.kv_cache.value} tp={self.tp} b={self.batch} ctx={self.prompt_len}"

@@ -65,8 +65,8 @@ def summarize(rec: CellRecord) -> CellRecord:
 def compare(records: list[CellRecord]) -> tuple[list[CellRecord], list[Comparison]]:
     """DeInfer's decode speed-up over naive and dense, per (TP, batch, prompt length, KV cache):
     the records with the speed-ups in the deinfer cells' summaries, and the comparison rows."""
-    ok = {(r.cell.layout, r.cell.kv_cache, r.cell.tp, r.cell.batch, r.cell.prompt_len): r
-          for r in records if r.status is CellStatus.OK}
+    ok = {(r.cell.layout.fixed, r.cell.kv_cache, r.cell.tp, r.cell.batch, r.cell.prompt_len): r
+          for r in records if r.status is CellStatus.OK}  # auto cells (fixed None) are compared with nothing
     compared: dict[int, CellRecord] = {}
     rows = []
     for (layout, kv, tp, batch, ctx), rec in ok.items():

@@ -25,6 +25,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deinfer_megatron.arch.model import ModelArch
+from deinfer_megatron.generation.context import GenerationContext
+from deinfer_megatron.generation.loop import generate_tokens
+from deinfer_megatron.generation.sampling import SamplingParams
+from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.planning.auto import Workload
+from deinfer_megatron.planning.preflight import Footprint
+from deinfer_megatron.runtime.job import RankContext, run_job
+from deinfer_megatron.runtime.options import DType, Engine, Parallelism
+from deinfer_megatron.specs.layout import Layout, LayoutPlan, latent_cache_layouts
+from deinfer_megatron.specs.rank_config import RankConfig
+
 WORDS = ("the of and to in is was for on that with as by at from his an were are which this be has had it "
          "one not but also its after first new who they two her she been other when there all during into "
          "school time may years more most only over city some world would where later up such used many can "
@@ -149,47 +161,69 @@ def run_server_load(url: str, model: str, requests: list[LoadRequest], concurren
             "e2e_s": percentiles([r["e2e"] for r in done])}
 
 
-def _static_rank(model: str, tp: int, pp: int, layout: str, kv_cache: str, batches: list[list[tuple[list[int], int]]]
-                 ) -> list[dict[str, float]] | None:
-    from deinfer_megatron.generation.context import GenerationContext
-    from deinfer_megatron.generation.loop import generate_tokens
-    from deinfer_megatron.generation.sampling import SamplingParams
-    from deinfer_megatron.models.build import load_folder
-    from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+@dataclass(frozen=True)
+class StaticBatches:
+    """The requests as static ``generate`` batches on TP×PP ranks (``runtime.job.JobSpec``): each
+    batch prefilled together and decoded until its longest request is done."""
 
-    groups = init_parallel(tp, pp)
-    reporter = groups.global_rank == 0
+    model: Path
+    parallel: Parallelism
+    kv_cache: CacheKind
+    batches: tuple[tuple[tuple[tuple[int, ...], int], ...], ...]  # per batch: (prompt ids, max tokens)
+    dtype = DType.FLOAT32
+    engine = Engine.MEGATRON
+    verify = True
+
+    @property
+    def longest(self) -> int:
+        """Tokens the longest sequence of any batch reaches."""
+        return max(len(p) + m for batch in self.batches for p, m in batch)
+
+    def check(self, arch: ModelArch, rank_config: RankConfig) -> None:
+        if self.longest > arch.max_positions:
+            raise ValueError(f"a request needs {self.longest} tokens, more than the model's context of "
+                             f"{arch.max_positions}; lower --prompt-words or --output-tokens")
+
+    def workload(self) -> Workload:
+        return Workload(tp=self.parallel.tp, batch=max(map(len, self.batches)), context=self.longest,
+                        latent_cache=self.kv_cache is CacheKind.LATENT)
+
+    def footprint(self, arch: ModelArch) -> Footprint:
+        rows = max(len(b) for b in self.batches)
+        return Footprint(kv_tokens=rows * self.longest, kv_cache=self.kv_cache, prefill_rows=rows * self.longest,
+                         context=self.longest, logit_rows=rows)
+
+    def check_plan(self, plan: LayoutPlan) -> None:
+        if self.kv_cache is CacheKind.LATENT and not plan.supports_latent_cache:
+            raise ValueError(f"--kv-cache latent needs --layout {latent_cache_layouts()} (whole latents on every rank)")
+
+
+def _static_on_rank(ctx: RankContext) -> list[dict[str, float]] | None:
+    """Every batch in turn on this rank; each request's timings on global rank 0."""
     rows: list[dict[str, float]] = []
-    try:
-        stage = load_folder(Path(model), layout, groups, verify=False)  # the caller verified the folder
-        for batch in batches:
-            prompts = [p for p, _ in batch]
-            longest = max(m for _, m in batch)
-            context = GenerationContext(len(prompts), max(map(len, prompts)) + longest, kv_cache=kv_cache)
-            start = time.perf_counter()
-            outputs, timing = generate_tokens(stage, prompts, max_new_tokens=longest, params=SamplingParams(),
-                                              context=context)
-            wall = time.perf_counter() - start
-            rows += [{"ttft": timing.prefill_s, "e2e": wall, "tokens": min(len(o.token_ids), m), "batch_s": wall}
-                     for o, (_, m) in zip(outputs, batch)]
-    finally:
-        shutdown()
-    return rows if reporter else None
+    for batch in ctx.spec.batches:
+        prompts = [list(p) for p, _ in batch]
+        longest = max(m for _, m in batch)
+        context = GenerationContext(len(prompts), max(map(len, prompts)) + longest, kv_cache=ctx.spec.kv_cache)
+        start = time.perf_counter()
+        outputs, timing = generate_tokens(ctx.stage, prompts, max_new_tokens=longest, params=SamplingParams(),
+                                          context=context)
+        wall = time.perf_counter() - start
+        rows += [{"ttft": timing.prefill_s, "e2e": wall, "tokens": min(len(o.token_ids), m), "batch_s": wall}
+                 for o, (_, m) in zip(outputs, batch)]
+    return rows if ctx.reports else None
 
 
 def run_static_batches(model: Path, requests: list[LoadRequest], concurrency: int, *, tp: int = 1, pp: int = 1,
-                       layout: str = "deinfer", kv_cache: str = "full") -> dict[str, Any]:
+                       layout: Layout = Layout.DEINFER, kv_cache: CacheKind = CacheKind.FULL) -> dict[str, Any]:
     """The same prompts as static batches of ``concurrency`` in arrival order (one rank start)."""
     import transformers
 
-    from deinfer_megatron.checkpoints.folder import open_model
-    from deinfer_megatron.launch.run import run_on_ranks
-
-    open_model(model)  # verified once, here
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-    encoded = [(list(tokenizer(r.prompt, add_special_tokens=True)["input_ids"]), r.max_tokens) for r in requests]
-    batches = [encoded[i : i + concurrency] for i in range(0, len(encoded), concurrency)]
-    rows = run_on_ranks(tp * pp, _static_rank, str(model), tp, pp, layout, kv_cache, batches)
+    encoded = [(tuple(tokenizer(r.prompt, add_special_tokens=True)["input_ids"]), r.max_tokens) for r in requests]
+    batches = tuple(tuple(encoded[i : i + concurrency]) for i in range(0, len(encoded), concurrency))
+    spec = StaticBatches(Path(model), Parallelism(tp, pp, layout), CacheKind.parse(kv_cache), batches)
+    rows = run_job(spec, _static_on_rank)
     return static_report(requests, rows, concurrency)
 
 

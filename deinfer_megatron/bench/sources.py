@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from deinfer_megatron.arch.model import ModelArch
-from deinfer_megatron.generation.options import latent_cache_layouts
 from deinfer_megatron.layers.kv_cache import CacheKind
-from deinfer_megatron.specs.layout import AUTO, Layout, LayoutPlan
+from deinfer_megatron.planning.request import LayoutRequest
+from deinfer_megatron.specs.layout import LayoutPlan, latent_cache_layouts
 from deinfer_megatron.specs.rank_config import RankConfig
 
 
@@ -36,18 +36,24 @@ class ModelSource:
     decomposed_dir: Path | None
     dense_dir: Path  # what the dense layout loads (a decomposed folder is multiplied out)
 
-    def folder_for(self, layout: Layout | LayoutPlan) -> Path:
-        if layout.multiplies_out or self.decomposed_dir is None:  # auto on a dense folder: all dense
-            return self.dense_dir
-        assert self.decomposed_dir is not None, "skip_reason() rules out factored layouts without factors"
-        return self.decomposed_dir
+    @property
+    def folder(self) -> Path:
+        """The folder a cell is prepared from: the decomposed one where there is one (``auto``
+        and the factored layouts need its ranks)."""
+        return self.decomposed_dir if self.decomposed_dir is not None else self.dense_dir
 
-    def skip_reason(self, layout: Layout | str, kv_cache: CacheKind) -> str | None:
+    def folder_for(self, plan: LayoutPlan) -> Path:
+        """The folder a cell's ranks load for ``plan``: the multiplied-out one when every block
+        is dense (multiplied out once, here, rather than on every rank)."""
+        return self.dense_dir if plan.multiplies_out else self.folder
+
+    def skip_reason(self, request: LayoutRequest, kv_cache: CacheKind) -> str | None:
         """Why a (layout, KV cache) pair does not apply to this model; None when it does."""
-        if layout == AUTO:
+        if request.is_auto:
             if kv_cache is CacheKind.LATENT and self.decomposed_dir is None:
                 return f"{self.name} is a dense folder; the latent KV cache needs a decomposed one"
             return None
+        layout = request.fixed
         if not layout.multiplies_out and self.decomposed_dir is None:
             return (f"{self.name} is a dense folder; the {layout.value} layout needs a decomposed one "
                     "(make it with `deinfer-megatron decompose`)")

@@ -14,7 +14,7 @@ import argparse
 from enum import Enum
 from typing import Callable, TypeVar
 
-from deinfer_megatron.specs.layout import INFERENCE_DEFAULT, layout_option_names, parse_layout_option
+from deinfer_megatron.planning.request import INFERENCE_DEFAULT, LayoutRequest, choices
 
 T = TypeVar("T")
 
@@ -39,10 +39,11 @@ def names(enum: type[Enum]) -> list[str]:
 
 
 def add_inference_layout(parser: argparse.ArgumentParser) -> None:
-    """``--layout`` of ``generate`` and ``eval-ppl``: ``auto`` or a fixed layout, default
-    ``specs.layout.INFERENCE_DEFAULT``."""
+    """``--layout`` of ``generate`` and ``eval-ppl``: ``auto`` or a fixed layout, parsed into a
+    ``LayoutRequest``, default ``planning.request.INFERENCE_DEFAULT``."""
     parser.add_argument(
-        "--layout", type=parsed_by(parse_layout_option), choices=layout_option_names(), default=INFERENCE_DEFAULT,
+        "--layout", type=parsed_by(LayoutRequest.parse), metavar="{" + ",".join(choices()) + "}",
+        default=INFERENCE_DEFAULT,
         help="auto: the fastest layout per attention and MLP block by this host's cost model (measured "
              "once on first use, tens of seconds, then cached; docs/INFERENCE.md); deinfer, naive or "
              "dense: that layout for every block (default: %(default)s)")

@@ -15,18 +15,17 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
-from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from deinfer_megatron.bench.matrix import BenchConfig, BenchGrid, BenchOutputs
 from deinfer_megatron.bench.peers import Peer
-from deinfer_megatron.generation.options import latent_cache_layouts
 from deinfer_megatron.generation.prefill import DEFAULT_MAX_PREFILL_TOKENS
 from deinfer_megatron.layers.kv_cache import CacheKind
-from deinfer_megatron.specs.layout import Layout, layout_option_names, parse_layout_option
+from deinfer_megatron.planning.request import LayoutRequest, choices
+from deinfer_megatron.specs.layout import latent_cache_layouts
 
-E = TypeVar("E", bound=Enum)
+T = TypeVar("T")
 
 DEFAULT_RATIO = 0.6
 
@@ -44,23 +43,20 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
 
 
-def _layouts(values: tuple[str, ...]) -> tuple[Layout | str, ...]:
+def _layouts(values: tuple[str, ...]) -> tuple[LayoutRequest, ...]:
     """``--layouts`` names: the fixed layouts and ``auto``."""
-    for v in values:
-        if v not in layout_option_names():
-            raise ValueError(f"--layouts: unknown value {v!r}; choose from {','.join(layout_option_names())}")
-    return tuple(parse_layout_option(v) for v in values)
+    return _members("--layouts", values, LayoutRequest.parse, choices())
 
 
-def _members(flag: str, values: tuple[str, ...], parse: Callable[[str], E], enum: type[E]) -> tuple[E, ...]:
-    """Comma-list names as enum members: ``parse`` decides what is known (its own message is
-    replaced by one naming the flag, as the list may hold several values)."""
+def _members(flag: str, values: tuple[str, ...], parse: Callable[[str], T], names: list[str]) -> tuple[T, ...]:
+    """Comma-list names as parsed values: ``parse`` decides what is known (its own message is
+    replaced by one naming the flag and ``names``, as the list may hold several values)."""
     out = []
     for v in values:
         try:
             out.append(parse(v))
         except ValueError:
-            raise ValueError(f"{flag}: unknown value {v!r}; choose from {','.join(m.value for m in enum)}") from None
+            raise ValueError(f"{flag}: unknown value {v!r}; choose from {','.join(names)}") from None
     return tuple(out)
 
 
@@ -70,8 +66,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--model", type=Path, help="model folder (dense: dense layout only; or decomposed)")
     src.add_argument("--synthetic", help="random LLaMA-shaped model: llama-tiny, llama-1b-shape, llama-7b-shape")
     p.add_argument("--ratio", type=float, help=f"--synthetic: parameters kept, uniform ranks (default {DEFAULT_RATIO})")
-    p.add_argument("--layouts", type=_names, default=tuple(layout_option_names()),
-                   help=f"default {','.join(layout_option_names())} (auto: the cost model's layout per block, per cell)")
+    p.add_argument("--layouts", type=_names, default=tuple(choices()),
+                   help=f"default {','.join(choices())} (auto: the cost model's layout per block, per cell)")
     p.add_argument("--kv-cache", type=_names, default=(CacheKind.FULL.value,),
                    help=f"full,latent (latent: {latent_cache_layouts()} only)")
     p.add_argument("--tp", type=_ints("--tp"), default=(1, 2), help="default 1,2")
@@ -105,13 +101,13 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
                          "`deinfer-megatron decompose --ratio R` and bench the decomposed folder")
     peers: tuple[Peer, ...] = ()
     if a.peers is not None:
-        peers = _members("--peers", a.peers, Peer.parse, Peer)
+        peers = _members("--peers", a.peers, Peer.parse, [p.value for p in Peer])
         if not peers:
             raise ValueError(f"--peers needs at least one of {','.join(p.value for p in Peer)}")
     grid = BenchGrid(
         model=a.model, synthetic=a.synthetic, ratio=DEFAULT_RATIO if a.ratio is None else a.ratio,
         layouts=_layouts(a.layouts),
-        kv_caches=_members("--kv-cache", a.kv_cache, CacheKind.parse, CacheKind),
+        kv_caches=_members("--kv-cache", a.kv_cache, CacheKind.parse, [k.value for k in CacheKind]),
         tps=a.tp, batches=a.batch, prompt_lens=a.prompt_len, gen_len=a.gen_len, repeats=a.repeats,
         seed=a.seed, max_prefill_tokens=a.max_prefill_tokens, roofline=a.roofline, profile=a.profile,
         predict=a.predict, cell_timeout_s=a.cell_timeout, peers=peers)
@@ -140,8 +136,8 @@ def _host(start_load: tuple[float, ...], started: str) -> dict[str, Any]:
 
 def _source(grid: BenchGrid, workdir: Path) -> Any:
     from deinfer_megatron.bench.sources import folder_source, synthetic_source
-    from deinfer_megatron.models.build import check_parallel_sizes
     from deinfer_megatron.models.synthetic import synthetic_arch
+    from deinfer_megatron.parallel.topology import check_parallel_sizes
 
     if grid.synthetic is None:
         return folder_source(grid.model)
@@ -160,7 +156,7 @@ def profiled_and_predicted(grid: BenchGrid, source: Any, records: list[Any]) -> 
     for r in records:
         if r.status is CellStatus.OK:
             r = replace(r, step_profile=profile.cell_breakdown(r))
-            if grid.predict or r.cell.layout == "auto":
+            if grid.predict or r.cell.layout.is_auto:
                 r = replace(r, prediction=prediction.predict(r, source, collectives=grid.collectives))
         out.append(r)
     return out
@@ -178,12 +174,12 @@ def main(cfg: BenchConfig) -> int:
     with tempfile.TemporaryDirectory(prefix="deinfer-bench-") as work:
         source = _source(grid, Path(work))
         matrix.check_sizes(grid, source)
-        matrix.require_runnable(grid, source)
+        cells = matrix.prepare_cells(grid, source)  # one line when none can run
         machine = None
         if grid.roofline:
             print("measuring copy bandwidth, GEMM rate and collective latency ...", file=sys.stderr)
             machine = roofline.measure_machine(roofline.sizes_for(source.arch, grid.batches))
-        records = matrix.run_matrix(grid, source, progress=outputs.progress)
+        records = matrix.run_matrix(grid, cells, progress=outputs.progress)
         peers = peer_runs.run_peers(grid, source, progress=outputs.progress)
     records = [report.summarize(r) if r.status is CellStatus.OK else r for r in records]
     records = profiled_and_predicted(grid, source, records)

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from deinfer_megatron.cli.output import emit_json
-from deinfer_megatron.generation.options import CacheOptions, Parallelism
+from deinfer_megatron.generation.options import CacheOptions
+from deinfer_megatron.runtime.options import Parallelism
 from deinfer_megatron.launch.local import spawn_local
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.specs.layout import Layout

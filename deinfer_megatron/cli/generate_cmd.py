@@ -10,14 +10,15 @@ from pathlib import Path
 from deinfer_megatron.cli.arguments import add_inference_layout, names, parsed_by
 from deinfer_megatron.cli.output import emit_json
 from deinfer_megatron.files.text import read_text
-from deinfer_megatron.generation.job import GenerateJob, prepare, run_generate
-from deinfer_megatron.generation.options import CacheOptions, DType, Engine, Parallelism
+from deinfer_megatron.generation.job import GenerateJob, run_generate, validate
+from deinfer_megatron.generation.options import CacheOptions
 from deinfer_megatron.generation.prefill import DEFAULT_MAX_PREFILL_TOKENS
 from deinfer_megatron.parallel.collectives import Collectives
 from deinfer_megatron.generation.sampling import SamplingParams
 from deinfer_megatron.launch.external import LAUNCHERS, run_under_launcher
 from deinfer_megatron.launch.report import send_report
 from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.runtime.options import DType, Engine, Parallelism
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def main(cfg: GenerateConfig) -> int:
 
     job = cfg.job
     if cfg.launcher != "auto" and detect() is None:
-        prepare(job)  # bad input fails here, in one line, before any launcher starts
+        validate(job)  # bad input fails here, in one line, before any launcher starts
         code, result = run_under_launcher(cfg.launcher, job.parallel.world, list(cfg.rerun_argv),
                                           report=cfg.json)
         if code != 0:

@@ -81,7 +81,7 @@ def main(cfg: LoadgenConfig) -> int:
         report["server"] = run_server_load(cfg.url, cfg.model_name, requests, cfg.spec.concurrency, cfg.api_key)
     if cfg.static_model is not None:
         report["static"] = run_static_batches(cfg.static_model, requests, cfg.spec.concurrency, tp=cfg.tp,
-                                              pp=cfg.pp, layout=cfg.layout.value, kv_cache=cfg.kv_cache.value)
+                                              pp=cfg.pp, layout=cfg.layout, kv_cache=cfg.kv_cache)
     if "server" in report and "static" in report:
         server, static = report["server"], report["static"]
         report["throughput_ratio"] = server["throughput_tokens_per_s"] / max(1e-9, static["throughput_tokens_per_s"])

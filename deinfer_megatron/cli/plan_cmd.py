@@ -9,13 +9,15 @@ from pathlib import Path
 from typing import Any
 
 from deinfer_megatron.checkpoints.folder import RANK_CONFIG, open_config
-from deinfer_megatron.cli.arguments import names, parsed_by
+from deinfer_megatron.cli.arguments import parsed_by
 from deinfer_megatron.cli.output import emit_json
+from deinfer_megatron.parallel.topology import check_parallel_sizes
 from deinfer_megatron.planning.auto import Workload, choose_layouts, table_for
 from deinfer_megatron.planning.cost_model import CostTable
 from deinfer_megatron.planning.plan import Plan, make_plan
 from deinfer_megatron.planning.report import format_plans
-from deinfer_megatron.specs.layout import AUTO, Layout, layout_option_names, parse_layout_option
+from deinfer_megatron.planning.request import AUTO, LayoutRequest, choices
+from deinfer_megatron.specs.layout import Layout
 from deinfer_megatron.specs.rank_config import RankConfig
 
 
@@ -26,7 +28,7 @@ class PlanConfig:
     rank_config: Path | None = None
     tp: int = 1
     pp: int = 1
-    layout: Layout | str | None = None  # a Layout, "auto", or None: the fixed layouts side by side
+    layout: LayoutRequest | None = None  # a fixed layout, auto, or None: the fixed layouts side by side
     batch: int = 1
     seq: int = 1
     json: bool = False
@@ -40,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rank-config", type=Path, help=f"JSON ranks (default: MODEL/{RANK_CONFIG} if present)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--layout", type=parsed_by(parse_layout_option), choices=layout_option_names(),
+    p.add_argument("--layout", type=parsed_by(LayoutRequest.parse), metavar="{" + ",".join(choices()) + "}",
                    help="default: the three fixed layouts side by side; auto: the cost model's "
                         "choice per block and the predicted decode step")
     p.add_argument("--batch", type=int, default=1)
@@ -59,9 +61,10 @@ def main(cfg: PlanConfig) -> int:
         if value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value}")
     arch, ranks = open_config(cfg.model, verify=cfg.verify)  # config and rank config, verified
+    check_parallel_sizes(arch, cfg.tp, cfg.pp)
     if cfg.rank_config is not None:
         ranks = RankConfig.load(cfg.rank_config, arch)
-    if cfg.layout == AUTO:
+    if cfg.layout is not None and cfg.layout.is_auto:
         plans = [auto_plan_with_prediction(arch, ranks, cfg)]
         if cfg.json:
             emit_json(plans[0].to_json(), indent=1)
@@ -70,7 +73,7 @@ def main(cfg: PlanConfig) -> int:
         return 0
     if cfg.cost_table is not None:
         raise ValueError("--cost-table is read by --layout auto only; add --layout auto or drop it")
-    layouts = [cfg.layout] if cfg.layout else list(Layout)
+    layouts = [cfg.layout.fixed] if cfg.layout else list(Layout)
     plans, skipped = [], []
     for layout in layouts:
         try:

@@ -12,10 +12,11 @@ from typing import Any
 
 from deinfer_megatron.cli.arguments import names, parsed_by
 from deinfer_megatron.cli.generate_cmd import _without_launcher as without_launcher
-from deinfer_megatron.generation.options import CacheOptions, DType, Engine, Parallelism
+from deinfer_megatron.generation.options import CacheOptions
 from deinfer_megatron.launch.external import LAUNCHERS, run_under_launcher
 from deinfer_megatron.layers.kv_cache import CacheKind
-from deinfer_megatron.serving.server import ServeJob, prepare, run_serve
+from deinfer_megatron.runtime.options import DType, Engine, Parallelism
+from deinfer_megatron.serving.server import ServeJob, run_serve, validate
 from deinfer_megatron.specs.layout import Layout
 
 API_KEY_ENV = "DEINFER_API_KEY"
@@ -94,7 +95,7 @@ def main(cfg: ServeConfig) -> int:
 
     job = cfg.job
     if cfg.launcher != "auto" and detect() is None:
-        prepare(job)  # bad input fails here, in one line, before any launcher starts
+        validate(job)  # bad input fails here, in one line, before any launcher starts
         code, _ = run_under_launcher(cfg.launcher, job.parallel.world, list(cfg.rerun_argv), report=False)
         if code != 0:
             raise RuntimeError(f"the {cfg.launcher} launcher exited with status {code}; its ranks' messages are above")

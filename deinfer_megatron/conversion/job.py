@@ -28,7 +28,8 @@ from deinfer_megatron.checkpoints.folder import TOKENIZER_FILES, is_project_fold
 from deinfer_megatron.checkpoints.megatron_ckpt import detect_megatron_checkpoint, read_megatron_checkpoint
 from deinfer_megatron.files.checksums import sha256
 from deinfer_megatron.files.staging import claim_output, staged_folder
-from deinfer_megatron.models.build import check_parallel_sizes
+from deinfer_megatron.parallel.topology import check_parallel_sizes
+from deinfer_megatron.specs.layout import Layout
 
 TARGETS = ("megatron", "hf")
 
@@ -81,7 +82,7 @@ def _to_megatron(job: ConvertJob) -> Path:
     tp, pp = job.tp or 1, job.pp or 1
     check_parallel_sizes(arch, tp, pp)
     _claim(job)
-    layout = "deinfer" if folder.decomposed else "dense"
+    layout = Layout.DEINFER if folder.decomposed else Layout.DENSE
     tokenizer = [job.model / n for n in TOKENIZER_FILES if (job.model / n).is_file()]
     with staged_folder(job.out, before_publish=lambda: _claim(job)) as tmp:
         iteration_dir(tmp).mkdir()
@@ -90,7 +91,7 @@ def _to_megatron(job: ConvertJob) -> Path:
         finish_folder(tmp, config=config, rank_config=folder.rank_config, tokenizer_files=tokenizer, metadata={
             "converted_from": str(job.model),
             "source_manifest_sha256": _manifest_digest(job.model),
-            "saved_with": {"tp": tp, "pp": pp, "layout": layout},
+            "saved_with": {"tp": tp, "pp": pp, "layout": layout.value},
             "tokenizer": [f.name for f in tokenizer],
         })
     return job.out
@@ -101,7 +102,7 @@ def _manifest_digest(model: Path) -> str | None:
     return sha256(manifest) if manifest.is_file() else None
 
 
-def _save_on_rank(model: str, folder: str, layout: str, tp: int, pp: int) -> None:
+def _save_on_rank(model: str, folder: str, layout: Layout, tp: int, pp: int) -> None:
     """One rank: load its stage from the (already verified) folder and save it."""
     from deinfer_megatron.checkpoints.dist_checkpoint import save_model_state
     from deinfer_megatron.models.build import load_folder

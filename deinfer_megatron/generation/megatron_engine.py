@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from megatron.core.inference.inference_request import InferenceRequest
@@ -158,17 +158,16 @@ def generate_with_engine(
     eos_ids: frozenset[int] = frozenset(),
     stop: StopCheck | None = None,
     on_token: OnToken | None = None,
-    model: Any = None,
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
 ) -> tuple[list[Generated], Timing]:
-    """Generate with Megatron's controller; ``model`` overrides ``stage.model`` (e.g. a
-    DeepSpeed-Inference engine wrapping it). The prefill forwards at most ``max_prefill_tokens``
-    rows at a time (``prefill.py``)."""
+    """Generate with Megatron's controller driving ``stage.driver`` (the model, or the engine
+    wrapping it: ``runtime.engines``). The prefill forwards at most ``max_prefill_tokens`` rows
+    at a time (``prefill.py``)."""
     reason = engine_supports(params, eos_ids)
     if reason is not None:
         raise ValueError(reason)
     assert len(prompts) <= context.max_batch_size, "the context needs one slot per prompt"
-    module = model if model is not None else stage.model
+    module = stage.driver
     eod = next(iter(eos_ids)) if eos_ids else stage.padded_vocab - 1
     wrapper = ChunkedPrefillWrapper(module, _wrapper_config(stage, context), context, max_tokens=max_prefill_tokens)
     controller = ReportingController(wrapper, TokenIds(eod, stage.arch.vocab_size),

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from deinfer_megatron.arch.model import load_arch
-from deinfer_megatron.checkpoints.folder import MANIFEST, RANK_CONFIG, is_project_folder, open_model, write_decomposed
+from deinfer_megatron.checkpoints.folder import RANK_CONFIG, is_project_folder, open_model, write_decomposed
 from deinfer_megatron.files.staging import claim_output
 from deinfer_megatron.files.text import read_text
 from deinfer_megatron.healing import state as run_state
@@ -28,13 +28,14 @@ from deinfer_megatron.healing.data import HealData, build_data
 from deinfer_megatron.healing.loop import DISTILL, LoopSettings, train
 from deinfer_megatron.healing.ranks import FINAL, RankSettings, heal_on_ranks
 from deinfer_megatron.healing.watch import HeldOut
-from deinfer_megatron.launch.run import run_on_ranks
-from deinfer_megatron.models.build import check_parallel_sizes
+from deinfer_megatron.runtime.job import Prepared, prepare, run_prepared
+from deinfer_megatron.runtime.options import Parallelism
+from deinfer_megatron.specs.layout import factored_layouts
 from deinfer_megatron.healing.student import TRAINABLE, load_student, load_teacher, student_tensors, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 DTYPES = ("float32", "bfloat16")
-LAYOUTS = ("deinfer", "naive")
+LAYOUTS = tuple(layout.value for layout in factored_layouts())  # the layouts that keep factors to train
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def _check_numbers(job: HealJob) -> None:
     if job.distill not in DISTILL:
         raise ValueError(f"unknown --distill {job.distill!r}; choose one of {', '.join(DISTILL)}")
     if job.layout not in LAYOUTS:
-        raise ValueError(f"--layout {job.layout!r} cannot heal: choose deinfer or naive (the dense layout "
+        raise ValueError(f"--layout {job.layout!r} cannot heal: choose {' or '.join(LAYOUTS)} (the dense layout "
                          "multiplies the factors out, so there are no factors to train)")
     if job.tp < 1 or job.pp < 1:
         raise ValueError(f"--tp and --pp must be positive integers, got {job.tp} and {job.pp}")
@@ -135,7 +136,6 @@ def _check_models(job: HealJob) -> None:
         raise ValueError(f"--teacher {job.teacher} is itself decomposed; the teacher is the dense model "
                          "the student was decomposed from")
     student, teacher = load_arch(job.model), load_arch(job.teacher)
-    check_parallel_sizes(student, job.tp, job.pp)
     if student != teacher:
         field = next(k for k in asdict(student) if asdict(student)[k] != asdict(teacher)[k])
         raise ValueError(f"--model and --teacher are different architectures ({field}: "
@@ -166,14 +166,17 @@ def _check_output(job: HealJob) -> Path:
     return folder
 
 
-def validate(job: HealJob) -> Path:
-    """Every check that needs no model loaded; returns the run's state folder."""
+def validate(job: HealJob) -> tuple[Path, Prepared | None]:
+    """Every check that needs no model loaded; returns the run's state folder and, for logit
+    distillation on ranks, the student's prepared rank job (``runtime.job``: TP/PP sizes, plan,
+    memory)."""
     _check_numbers(job)
     _check_models(job)
     for flag, paths in (("--calib-text", job.calib_text), ("--eval-text", job.eval_text)):
         for path in paths:
             read_text(path, flag, max_chars=1000)
-    return _check_output(job)
+    folder = _check_output(job)
+    return folder, prepare(_rank_settings(job, folder)) if job.distill == "logits" else None
 
 
 def _data(job: HealJob, folder: Path, teacher: torch.nn.Module | None = None) -> HealData:
@@ -213,19 +216,20 @@ def _held_out(job: HealJob, max_positions: int) -> HeldOut | None:
 
 
 def _rank_settings(job: HealJob, folder: Path) -> RankSettings:
-    return RankSettings(model=job.model, teacher=job.teacher, state_folder=folder, tp=job.tp, pp=job.pp,
-                        layout=job.layout, train=job.train, loop=job.loop_settings(),
+    return RankSettings(model=job.model, teacher=job.teacher, state_folder=folder,
+                        parallel=Parallelism(job.tp, job.pp, job.layout), train=job.train, loop=job.loop_settings(),
                         json_log=job.json_log, resume=job.resume)
 
 
-def _parallel_heal(job: HealJob, folder: Path, dec: Any) -> tuple[dict[str, torch.Tensor], list, Any, list] | None:
+def _parallel_heal(job: HealJob, folder: Path, dec: Any, prepared: Prepared
+                   ) -> tuple[dict[str, torch.Tensor], list, Any, list] | None:
     """Logit distillation of the Megatron student on TP×PP ranks; None on ranks other than 0."""
     from functools import partial
 
     from deinfer_megatron.checkpoints.dist_checkpoint import read_hf_tensors
 
-    result = run_on_ranks(job.tp * job.pp, heal_on_ranks, _rank_settings(job, folder),
-                          partial(_rank_data, job, folder), _held_out(job, dec.arch.max_positions))
+    result = run_prepared(prepared, heal_on_ranks, partial(_rank_data, job, folder),
+                          _held_out(job, dec.arch.max_positions))
     if result is None:
         return None
     tensors = read_hf_tensors(folder / FINAL, dec.arch, dec.rank_config)
@@ -268,12 +272,12 @@ def run_heal(job: HealJob, on_record: Callable[[dict[str, Any]], None] | None = 
     ``--distill logits`` trains the project's Megatron student on ``tp × pp`` ranks
     (``healing.ranks``); the block-wise modes train the Hugging Face factor-pair student in
     this process (``healing.loop``), and only they call ``on_record`` with every step."""
-    folder = validate(job)
+    folder, prepared = validate(job)
     torch.manual_seed(job.seed)
     start_time = time.perf_counter()
     dec = open_model(job.model)
-    if job.distill == "logits":
-        done = _parallel_heal(job, folder, dec)
+    if prepared is not None:
+        done = _parallel_heal(job, folder, dec, prepared)
         if done is None:
             return None
         tensors, records, teacher_eval, sources = done

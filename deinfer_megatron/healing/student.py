@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deinfer_megatron.checkpoints.folder import ModelFolder, open_model
+from deinfer_megatron.checkpoints.folder import ModelFolder
 from deinfer_megatron.files.checksums import sha256
 
 TRAINABLE = ("factors", "u", "v")

@@ -58,3 +58,10 @@ def run_on_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float 
         with _single_rank_env():
             return fn(*args)
     return spawn_local(world, fn, *args, timeout=timeout)[0]
+
+
+def global_rank() -> int:
+    """This process's global rank, inside the function ``run_on_ranks`` runs and before
+    torch.distributed exists: every way a rank starts (a launcher, ``spawn_local``, the single
+    rank in this process) has set ``RANK`` by then."""
+    return int(os.environ["RANK"])

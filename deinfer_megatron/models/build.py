@@ -8,7 +8,7 @@ them. Megatron's ``GPTModel`` is used as is; only the decoder-block spec is ours
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -17,48 +17,38 @@ import torch
 from deinfer_megatron.checkpoints.loader import MultipliedOut, load_stage
 from deinfer_megatron.arch.model import ModelArch, transformer_config
 from deinfer_megatron.parallel.runtime import ParallelGroups
-from deinfer_megatron.parallel.topology import valid_tp_sizes
 from deinfer_megatron.specs.builder import decomposed_block_spec
 from deinfer_megatron.specs.layout import Layout, LayoutPlan, as_plan
 from deinfer_megatron.specs.rank_config import RankConfig
 
 
-@dataclass
+@dataclass(frozen=True)
 class Stage:
     """One rank's piece of the model: its ``GPTModel`` stage and where it sits."""
 
     model: Any  # megatron.core.models.gpt.GPTModel
     arch: ModelArch
-    layout: Layout | LayoutPlan
+    layout: LayoutPlan
     rank_config: RankConfig  # as built (without the modules of blocks built dense)
     groups: ParallelGroups
     layer_offset: int
     num_local_layers: int
     padded_vocab: int
-    runner: Any = None  # what forward calls go through when not the model itself (DeepSpeed)
+    runner: Any = None  # what forward calls go through when not the model itself (an engine)
 
     @property
     def device(self) -> torch.device:
         """Where the stage's parameters, inputs and pipeline buffers live."""
         return self.groups.device
 
+    @property
+    def driver(self) -> Any:
+        """What forward calls go through: the engine around the model, or the model itself."""
+        return self.runner if self.runner is not None else self.model
 
-def check_parallel_sizes(arch: ModelArch, tp: int, pp: int) -> None:
-    """Reject TP/PP sizes the model cannot be split into, naming the valid ones."""
-    valid = valid_tp_sizes(arch.num_heads, arch.num_kv_heads)
-    if tp < 1 or pp < 1:
-        raise ValueError(f"--tp and --pp must be positive integers, got --tp {tp} --pp {pp}")
-    if tp not in valid:
-        raise ValueError(
-            f"--tp {tp} does not split {arch.num_heads} heads / {arch.num_kv_heads} KV heads evenly; "
-            f"valid TP sizes: {', '.join(map(str, valid))}"
-        )
-    if not 1 <= pp <= arch.num_layers:
-        raise ValueError(f"--pp {pp} must be between 1 and the number of layers ({arch.num_layers})")
-    if arch.num_layers % pp:
-        valid = [p for p in range(1, arch.num_layers + 1) if arch.num_layers % p == 0]
-        raise ValueError(f"{arch.num_layers} layers do not split evenly over --pp {pp} (Megatron's stages "
-                         f"hold equal numbers of layers); valid PP sizes: {', '.join(map(str, valid))}")
+    def with_runner(self, runner: Any) -> "Stage":
+        """The same stage driven through ``runner`` (an inference engine wrapping ``model``)."""
+        return replace(self, runner=runner)
 
 
 def padded_vocab_size(vocab: int, tp: int) -> int:
@@ -104,20 +94,20 @@ def _mark_megatron_shards(model: torch.nn.Module) -> None:
 def build_stage(
     arch: ModelArch,
     rank_config: RankConfig,
-    layout: Layout | LayoutPlan | str,
+    layout: Layout | LayoutPlan,
     groups: ParallelGroups,
     *,
     dtype: torch.dtype = torch.float32,
 ) -> Stage:
     """Construct this rank's empty model stage for ``layout`` (one layout, or a ``LayoutPlan``
-    with one per block); a block built dense ignores its ranks in the rank config."""
+    with one per block); a block built dense ignores its ranks in the rank config. The sizes
+    must split the model (``parallel.topology.check_parallel_sizes``, checked with the job)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    layout = layout if isinstance(layout, LayoutPlan) else Layout.parse(layout)
-    check_parallel_sizes(arch, groups.tp_size, groups.pp_size)
-    built_ranks = as_plan(layout, arch.num_layers).built_ranks(rank_config, arch)
+    layout = as_plan(layout, arch.num_layers)
+    built_ranks = layout.built_ranks(rank_config, arch)
     config = transformer_config(arch, tp=groups.tp_size, pp=groups.pp_size, dtype=dtype)
     # Per-layer dist-checkpoint keys: decomposed layers have per-layer ranks, which cannot share
     # a tensor stacked over layers (layers.sharded_state); model.sharded_state_dict() then works as is.
@@ -155,23 +145,7 @@ def build_stage(
     )
 
 
-def agreed_layout(layout: Layout | LayoutPlan | str, groups: ParallelGroups) -> Layout | LayoutPlan | str:
-    """Global rank 0's plan on every rank: under an external launcher each rank resolved
-    ``--layout auto`` itself, from its own timings, and ranks building different blocks would
-    hang in their first collective. A fixed layout is the same everywhere and is not sent."""
-    import json
-
-    import torch.distributed as dist
-
-    from deinfer_megatron.parallel import comm
-
-    if not isinstance(layout, LayoutPlan) or not dist.is_initialized() or dist.get_world_size() == 1:
-        return layout
-    payload = json.dumps(layout.to_json()).encode() if dist.get_rank() == 0 else None
-    return LayoutPlan.from_json(json.loads(comm.broadcast_bytes(payload, 0, groups.device)), layout.name)
-
-
-def load_folder(path: str | Path, layout: Layout | str, groups: ParallelGroups, *,
+def load_folder(path: str | Path, layout: Layout | LayoutPlan, groups: ParallelGroups, *,
                 dtype: torch.dtype = torch.float32, verify: bool = True) -> Stage:
     """Open a model folder (dense or decomposed), or a Megatron checkpoint written by
     ``convert --to megatron``, and load this rank's stage.
@@ -187,7 +161,6 @@ def load_folder(path: str | Path, layout: Layout | str, groups: ParallelGroups, 
     )
     from deinfer_megatron.checkpoints.folder import open_model
 
-    layout = agreed_layout(layout, groups)
     if is_dist_checkpoint(path):  # Megatron's dist_checkpointing reads this rank's slices only
         arch, ranks, _, _ = open_checkpoint(path, verify=verify, read=False)
         stage = build_stage(arch, ranks, layout, groups, dtype=dtype)
@@ -206,7 +179,7 @@ def load_weights(stage: Stage, source: Mapping[str, Any], source_ranks: RankConf
     out (``W = U·V``) on the fly; the other blocks load their factors as they are.
     """
     built = dict(stage.rank_config.modules)
-    dense = as_plan(stage.layout, stage.arch.num_layers).dense_modules(stage.arch)
+    dense = stage.layout.dense_modules(stage.arch)
     if built != {n: r for n, r in source_ranks.modules.items() if n not in dense}:
         raise ValueError("the checkpoint's rank config differs from the one the model was built with")
     multiplied = {n: r for n, r in source_ranks.modules.items() if n not in built}

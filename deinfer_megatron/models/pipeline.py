@@ -32,7 +32,7 @@ def stage_forward(
     next stage.
     """
     groups = stage.groups
-    model = stage.runner if stage.runner is not None else stage.model
+    model = stage.driver
     input_ids, position_ids = input_ids.to(stage.device), position_ids.to(stage.device)
     if attention_mask is not None:
         attention_mask = attention_mask.to(stage.device)

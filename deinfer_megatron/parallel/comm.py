@@ -422,6 +422,22 @@ def broadcast_bytes(payload: bytes | None, src: int, device: torch.device) -> by
     return payload if payload is not None else bytes(data.cpu().numpy().tobytes())
 
 
+def gather_bytes(payload: bytes, device: torch.device) -> list[bytes]:
+    """Every rank's ``payload``, by global rank, on every rank (what each rank measured, for the
+    one that reports): the lengths, then the bytes padded to the longest. Control data, not
+    recorded."""
+    world = dist.get_world_size()
+    size = torch.tensor([len(payload)], dtype=torch.long, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    lengths = [int(s.item()) for s in sizes]
+    data = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    data[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    out = [torch.empty_like(data) for _ in range(world)]
+    dist.all_gather(out, data)
+    return [bytes(o[:n].cpu().numpy().tobytes()) for o, n in zip(out, lengths)]
+
+
 def world_barrier(device: torch.device) -> None:
     """Wait until every rank of the job arrives (a checkpoint's files are complete); not a
     model collective, not recorded."""

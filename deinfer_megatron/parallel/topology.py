@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from deinfer_megatron.arch.model import ModelArch
+
 
 @dataclass(frozen=True)
 class TPView:
@@ -97,3 +99,22 @@ def valid_tp_sizes(num_heads: int, num_kv_heads: int, limit: int = 64) -> list[i
         if num_kv_heads % t == 0 or t % num_kv_heads == 0:
             out.append(t)
     return out
+
+
+def check_parallel_sizes(arch: ModelArch, tp: int, pp: int) -> None:
+    """Reject TP/PP sizes ``arch`` cannot be split into, naming the valid ones:
+    the one check of a job's sizes, made where the job is validated."""
+    valid = valid_tp_sizes(arch.num_heads, arch.num_kv_heads)
+    if tp < 1 or pp < 1:
+        raise ValueError(f"--tp and --pp must be positive integers, got --tp {tp} --pp {pp}")
+    if tp not in valid:
+        raise ValueError(
+            f"--tp {tp} does not split {arch.num_heads} heads / {arch.num_kv_heads} KV heads evenly; "
+            f"valid TP sizes: {', '.join(map(str, valid))}"
+        )
+    if not 1 <= pp <= arch.num_layers:
+        raise ValueError(f"--pp {pp} must be between 1 and the number of layers ({arch.num_layers})")
+    if arch.num_layers % pp:
+        valid = [p for p in range(1, arch.num_layers + 1) if arch.num_layers % p == 0]
+        raise ValueError(f"{arch.num_layers} layers do not split evenly over --pp {pp} (Megatron's stages "
+                         f"hold equal numbers of layers); valid PP sizes: {', '.join(map(str, valid))}")

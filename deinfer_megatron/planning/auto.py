@@ -34,10 +34,11 @@ from deinfer_megatron.layers.costs import Attend, Cost, Gemm
 from deinfer_megatron.parallel.topology import TPView
 from deinfer_megatron.planning.cost_model import CalibrationFailed, CostTable
 from deinfer_megatron.planning.plan import block_costs
-from deinfer_megatron.specs.layout import BlockLayouts, Layout, LayoutPlan
+from deinfer_megatron.planning.request import AUTO, LayoutRequest
+from deinfer_megatron.specs.layout import FACTOR_CLASSES, BlockLayouts, Layout, LayoutPlan
 from deinfer_megatron.specs.rank_config import RankConfig
 
-CANDIDATES = (Layout.DEINFER, Layout.NAIVE, Layout.DENSE)
+CANDIDATES = tuple(FACTOR_CLASSES)  # every layout of the table, in its order (ties go to the first)
 FALLBACK = Layout.DEINFER  # where no cost table can be measured: the method's own layout
 log = logging.getLogger(__name__)
 BLOCKS = ("attention", "mlp")
@@ -190,10 +191,8 @@ def table_for(arch: ModelArch, rank_config: RankConfig, work: Workload) -> CostT
 
 
 def choose_layouts(arch: ModelArch, rank_config: RankConfig, work: Workload, table: CostTable) -> AutoChoice:
-    """Price every candidate for every block and keep the cheapest (see the module docstring)."""
-    from deinfer_megatron.models.build import check_parallel_sizes
-
-    check_parallel_sizes(arch, work.tp, 1)  # a TP size that does not split the heads: its own message
+    """Price every candidate for every block and keep the cheapest (see the module docstring);
+    ``work.tp`` must split the model (``parallel.topology.check_parallel_sizes``)."""
     config = transformer_config(arch, tp=work.tp, pp=1)
     chosen: list[BlockLayouts] = []
     seconds: list[dict[str, dict[str, float]]] = []
@@ -223,7 +222,7 @@ def choose_layouts(arch: ModelArch, rank_config: RankConfig, work: Workload, tab
                 pick[b] = Layout.DENSE
         chosen.append(BlockLayouts(pick["attention"], pick["mlp"]))
         seconds.append(layer)
-    return AutoChoice(LayoutPlan(tuple(chosen)), seconds, outside_seconds(table, arch, work))
+    return AutoChoice(LayoutPlan(tuple(chosen), AUTO), seconds, outside_seconds(table, arch, work))
 
 
 def within_memory(choice: AutoChoice, fits: Callable[[LayoutPlan], bool]) -> AutoChoice:
@@ -242,7 +241,7 @@ def within_memory(choice: AutoChoice, fits: Callable[[LayoutPlan], bool]) -> Aut
         if fits(plan):
             log.info("--layout auto: the fastest plan (%.1f ms a step) does not fit in memory; "
                      "using %s (%.1f ms predicted)", choice.step_seconds * 1e3, layout.value, seconds * 1e3)
-            return AutoChoice(LayoutPlan(plan.layers), choice.seconds, choice.outside_s)
+            return AutoChoice(LayoutPlan(plan.layers, AUTO), choice.seconds, choice.outside_s)
     return choice
 
 
@@ -272,3 +271,26 @@ def auto_plan(arch: ModelArch, rank_config: RankConfig, work: Workload,
         table = replace(table, collectives=collectives)
     choice = choose_layouts(arch, rank_config, work, table)
     return within_memory(choice, fits) if fits is not None else choice
+
+
+def unpriced_plan(request: LayoutRequest, num_layers: int, fits: Callable[[LayoutPlan], bool]) -> LayoutPlan | None:
+    """The plan known without pricing: a fixed layout's uniform plan; for ``auto``, the fallback
+    layout's where no fixed layout fits (the job's memory check then says what is missing), else
+    None (``auto`` must be priced). A first pricing on a host calibrates for tens of seconds and
+    times matrix products at the model's own shapes, which sizes that fit under no layout must
+    not reach."""
+    if not request.is_auto:
+        return LayoutPlan.uniform(request.fixed, num_layers)
+    if not any(fits(LayoutPlan.uniform(c, num_layers)) for c in CANDIDATES):
+        return LayoutPlan.uniform(FALLBACK, num_layers)
+    return None
+
+
+def resolve_layout(request: LayoutRequest, arch: ModelArch, rank_config: RankConfig, work: Workload,
+                   fits: Callable[[LayoutPlan], bool], collectives: dict[str, list[float]] | None = None) -> LayoutPlan:
+    """The one ``LayoutPlan`` a job builds for ``request``: ``unpriced_plan`` where it is known,
+    else ``auto``'s choice among the plans that ``fits`` accepts (``auto_plan``)."""
+    plan = unpriced_plan(request, arch.num_layers, fits)
+    if plan is not None:
+        return plan
+    return auto_plan(arch, rank_config, work, collectives=collectives, fits=fits).plan

@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 from deinfer_megatron.files.failpoints import point
 from deinfer_megatron.planning.cost_model import CostTable
+from deinfer_megatron.specs.layout import Layout
 
 _LLAMA = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0,
               tie_word_embeddings=False, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
@@ -57,7 +58,7 @@ class OverheadJob:
 
     tp: int
     threads: int
-    layouts: tuple[str, ...]
+    layouts: tuple[Layout, ...]
 
 
 class BlockTimer:
@@ -238,7 +239,7 @@ def overhead_worker(job: OverheadJob) -> dict[str, dict[str, float]]:
                 for layout in job.layouts:
                     stage = build_stage(arch, rank_config, layout, groups)
                     load_weights(stage, state, rank_config)
-                    stages[f"{s}/{layout}"] = stage
+                    stages[f"{s}/{layout.value}"] = stage
             return time_stages(stages, sync=dist.barrier)
     finally:
         shutdown()
@@ -274,10 +275,10 @@ def _fit_workload(tp: int) -> Any:
     return Workload(tp=tp, batch=1, context=PROMPT + NEW_TOKENS // 2)
 
 
-def _layouts() -> tuple[str, ...]:
+def _layouts() -> tuple[Layout, ...]:
     from deinfer_megatron.planning.auto import CANDIDATES
 
-    return tuple(c.value for c in CANDIDATES)
+    return CANDIDATES
 
 
 def intercept(r1: float, r2: float, p1: float, p2: float) -> float:
@@ -292,7 +293,6 @@ def fit(table: CostTable, tp: int, measured: dict[str, dict[str, float]]) -> dic
     from deinfer_megatron.arch.model import transformer_config
     from deinfer_megatron.parallel.topology import TPView
     from deinfer_megatron.planning.auto import BLOCKS, choose_layouts, layout_costs, outside_seconds
-    from deinfer_megatron.specs.layout import Layout
 
     base = replace(table, overhead={})
     work = _fit_workload(tp)

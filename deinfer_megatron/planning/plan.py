@@ -208,7 +208,7 @@ def _edge_params(arch: ModelArch, tp: int, pp: int, stage: int) -> int:
 def make_plan(
     arch: ModelArch,
     rank_config: RankConfig,
-    layout: Layout | LayoutPlan | str,
+    layout: Layout | LayoutPlan,
     *,
     tp: int = 1,
     pp: int = 1,
@@ -217,11 +217,12 @@ def make_plan(
     dtype_bytes: int = 4,
 ) -> Plan:
     """Plan every layer of ``arch`` for ``layout`` (one layout, or a plan with one per block)
-    at TP ``tp`` and PP ``pp``."""
-    from deinfer_megatron.models.build import check_parallel_sizes, padded_vocab_size
+    at TP ``tp`` and PP ``pp``, sizes that split the model (``check_parallel_sizes``, checked
+    where a command reads them)."""
+    from deinfer_megatron.models.build import padded_vocab_size
 
+    assert tp >= 1 and pp >= 1 and arch.num_layers % pp == 0, f"unchecked sizes --tp {tp} --pp {pp}"
     plan = as_plan(layout, arch.num_layers)
-    check_parallel_sizes(arch, tp, pp)
     stages = _stage_bounds(arch.num_layers, pp)
     config = transformer_config(arch, tp=tp, pp=pp)
     layers = [layer_plan(arch, rank_config, plan.layers[i], tp, i, dtype_bytes, config=config)

@@ -21,12 +21,14 @@ for the last row of each sequence in generation (Megatron's static context keeps
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from deinfer_megatron.arch.model import ModelArch
+from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.planning.plan import make_plan
-from deinfer_megatron.specs.layout import AUTO
+from deinfer_megatron.specs.layout import Layout, LayoutPlan
 from deinfer_megatron.specs.rank_config import RankConfig
 
 _GIB = 2**30
@@ -61,78 +63,76 @@ def available_bytes() -> int | None:
     return avail
 
 
-def check_fits(
-    arch: ModelArch,
-    rank_config: RankConfig,
-    layout: str,
-    *,
-    tp: int,
-    pp: int,
-    dtype_bytes: int,
-    kv_tokens: int = 0,
-    kv_cache: str = "full",
-    prefill_rows: int = 0,
-    context: int = 0,
-    logit_rows: int | None = None,
-    rows_option: str = "--max-prefill-tokens",
-    ranks_here: int | None = None,
-    available: int | None = None,
-) -> int:
-    """Bytes the ranks on this machine need (weights + KV cache + the activations of a forward of
-    ``prefill_rows`` token rows over ``context`` keys, with vocabulary-wide logits for
-    ``logit_rows`` rows, default ``prefill_rows``); ValueError if more than ``available``
-    (default: what the machine has now), naming ``rows_option``, the command's option that
-    bounds a forward's rows.
+@dataclass(frozen=True)
+class Footprint:
+    """What a job holds besides the weights: its KV cache and the largest forward.
 
-    ``layout`` may be ``auto`` before it is priced (the pricing times matrix products at the
-    model's own shapes, so sizes that fit under no layout are refused first): then the job must
-    fit under at least one of ``auto``'s candidates — the first that does is answered, else the
-    first candidate's error — and the chosen plan is checked again once it is known.
+    Args:
+        kv_tokens: KV-cache tokens of every slot together.
+        kv_cache: ``full`` or ``latent`` (the planner's KV bytes per token of that kind).
+        prefill_rows: token rows of the largest forward; ``context``: the keys each attends to.
+        logit_rows: rows whose vocabulary-wide logits that forward returns (None: every row).
+        rows_option: the command's option that bounds a forward's rows, named in a refusal.
+    """
+
+    kv_tokens: int = 0
+    kv_cache: CacheKind = CacheKind.FULL
+    prefill_rows: int = 0
+    context: int = 0
+    logit_rows: int | None = None
+    rows_option: str = "--max-prefill-tokens"
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Whether a job's plan fits this machine: weights + KV cache + the largest forward's
+    activations per rank, times the ranks sharing the machine, against what it has available.
 
     ``ranks_here``: ranks sharing this machine (default: ``LOCAL_WORLD_SIZE`` under a launcher
-    that sets it, else all ``tp × pp``).
-    """
-    sizes = dict(tp=tp, pp=pp, dtype_bytes=dtype_bytes, kv_tokens=kv_tokens, kv_cache=kv_cache,
-                 prefill_rows=prefill_rows, context=context, logit_rows=logit_rows, rows_option=rows_option,
-                 ranks_here=ranks_here, available=available)
-    if layout != AUTO:
-        return _check_one(arch, rank_config, layout, **sizes)
-    from deinfer_megatron.planning.auto import CANDIDATES
+    that sets it, else all ``tp × pp``); ``available``: bytes (default: what the machine has when
+    asked, ``available_bytes``)."""
 
-    errors = []
-    for candidate in CANDIDATES:
+    arch: ModelArch
+    rank_config: RankConfig
+    tp: int
+    pp: int
+    dtype_bytes: int
+    footprint: Footprint = Footprint()
+    ranks_here: int | None = None
+    available: int | None = None
+
+    def need(self, layout: Layout | LayoutPlan) -> tuple[int, int, int, int]:
+        """(bytes on this machine, bytes per rank, activation bytes per rank, ranks here) of
+        ``layout``; ValueError where the planner cannot lay the model out so (a dense block TP
+        cannot split)."""
+        f = self.footprint
+        plan = make_plan(self.arch, self.rank_config, layout, tp=self.tp, pp=self.pp, dtype_bytes=self.dtype_bytes)
+        kv = plan.totals["kv_bytes_per_token"][CacheKind.parse(f.kv_cache).value]
+        acts = activation_bytes(plan.totals, f.prefill_rows, f.context, self.dtype_bytes, f.logit_rows)
+        per_rank = plan.totals["params_per_rank"] * self.dtype_bytes + kv * f.kv_tokens + acts
+        here = self.ranks_here or int(os.environ.get("LOCAL_WORLD_SIZE", self.tp * self.pp))
+        return per_rank * here, per_rank, acts, here
+
+    def fits(self, layout: Layout | LayoutPlan) -> bool:
+        """Whether ``check`` accepts ``layout`` (``--layout auto`` chooses among those that do)."""
         try:
-            return _check_one(arch, rank_config, candidate, **sizes)
-        except ValueError as err:
-            errors.append(err)
-    raise errors[0]
+            self.check(layout)
+        except ValueError:
+            return False
+        return True
 
-
-def fits(arch: ModelArch, rank_config: RankConfig, layout: Any, **sizes: Any) -> bool:
-    """Whether ``check_fits`` accepts ``layout`` (a fixed layout or a plan) at these sizes."""
-    try:
-        check_fits(arch, rank_config, layout, **sizes)
-    except ValueError:
-        return False
-    return True
-
-
-def _check_one(arch: ModelArch, rank_config: RankConfig, layout: str, *, tp: int, pp: int, dtype_bytes: int,
-               kv_tokens: int, kv_cache: str, prefill_rows: int, context: int, logit_rows: int | None,
-               rows_option: str, ranks_here: int | None, available: int | None) -> int:
-    plan = make_plan(arch, rank_config, layout, tp=tp, pp=pp, dtype_bytes=dtype_bytes)
-    kv = plan.totals["kv_bytes_per_token"]["latent" if kv_cache == "latent" else "full"]
-    acts = activation_bytes(plan.totals, prefill_rows, context, dtype_bytes, logit_rows)
-    per_rank = plan.totals["params_per_rank"] * dtype_bytes + kv * kv_tokens + acts
-    here = ranks_here or int(os.environ.get("LOCAL_WORLD_SIZE", tp * pp))
-    need = per_rank * here
-    available = available_bytes() if available is None else available
-    if available is not None and need > available:
-        raise ValueError(
-            f"the model needs about {need / _GIB:.3g} GiB here ({per_rank / _GIB:.3g} GiB of weights, KV "
-            f"cache and {acts / _GIB:.3g} GiB of activations in the largest forward per rank × {here} ranks) but "
-            f"{available / _GIB:.3g} GiB is available; check the sizes in config.json (hidden_size "
-            f"{arch.hidden_size}, intermediate_size {arch.ffn_hidden_size}, {arch.num_layers} layers), "
-            f"lower {rows_option} or spread the job over more machines"
-        )
-    return need
+    def check(self, layout: Layout | LayoutPlan) -> int:
+        """Bytes the ranks on this machine need for ``layout``; ValueError when more than is
+        available, naming the sizes to check and the option that bounds a forward's rows."""
+        need, per_rank, acts, here = self.need(layout)
+        available = available_bytes() if self.available is None else self.available
+        if available is not None and need > available:
+            a = self.arch
+            raise ValueError(
+                f"the model needs about {need / _GIB:.3g} GiB here ({per_rank / _GIB:.3g} GiB of weights, KV "
+                f"cache and {acts / _GIB:.3g} GiB of activations in the largest forward per rank × {here} ranks) but "
+                f"{available / _GIB:.3g} GiB is available; check the sizes in config.json (hidden_size "
+                f"{a.hidden_size}, intermediate_size {a.ffn_hidden_size}, {a.num_layers} layers), "
+                f"lower {self.footprint.rows_option} or spread the job over more machines"
+            )
+        return need

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from deinfer_megatron.planning.plan import LayerPlan, Plan
+from deinfer_megatron.specs.layout import Layout
 
 _SHORT = {"all_gather": "AG", "all_reduce": "AR", "reduce_scatter": "RS"}
 
@@ -34,7 +35,7 @@ def _kv(layer: LayerPlan) -> str:
 
 def _per_block(plan: Plan) -> bool:
     """A plan with a layout per block (``auto``): its rows show each block's choice."""
-    return plan.layout not in {"dense", "naive", "deinfer"}
+    return plan.layout not in {layout.value for layout in Layout}
 
 
 def format_plans(plans: list[Plan]) -> str:

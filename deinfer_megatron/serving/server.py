@@ -17,21 +17,33 @@ starts itself are stopped by their launcher (``launch.local``) within a second o
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
-import os
 import signal
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from deinfer_megatron.generation.options import CacheOptions, DType, Engine, Parallelism, latent_cache_layouts
+import torch
+
+from deinfer_megatron.arch.model import ModelArch, load_arch
+from deinfer_megatron.generation.job import eos_ids, kv_bytes_per_token
+from deinfer_megatron.generation.options import CacheOptions
 from deinfer_megatron.layers.kv_cache import CacheKind
-from deinfer_megatron.launch.run import run_on_ranks
+from deinfer_megatron.layers.slot_cache import SlotContext
+from deinfer_megatron.parallel import comm
+from deinfer_megatron.planning.auto import Workload
+from deinfer_megatron.planning.preflight import Footprint
+from deinfer_megatron.runtime.job import RankContext, check_job, prepare, run_prepared
+from deinfer_megatron.runtime.options import DType, Engine, Parallelism
 from deinfer_megatron.serving.step import StepPlan, StepRunner, exchange_plan
+from deinfer_megatron.specs.layout import LayoutPlan, factored_layouts, latent_cache_layouts
+from deinfer_megatron.specs.rank_config import RankConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,40 +73,52 @@ class ServeJob:
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine", Engine.parse(self.engine))
         object.__setattr__(self, "dtype", DType.parse(self.dtype))
+        if self.parallel.layout.is_auto:  # one plan would have to hold for every batch the scheduler forms
+            raise ValueError(f"serve takes a fixed --layout ({' or '.join(l.value for l in factored_layouts())}), "
+                             "not auto")
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).resolve().name
 
+    def tokens_per_slot(self, arch: ModelArch) -> int:
+        """``--max-seq-len``, else the model's context up to 2048 tokens."""
+        return self.max_seq_len or min(arch.max_positions, 2048)
 
-def validate(job: ServeJob) -> None:
-    """What can be checked before any rank starts (the weights' manifest included)."""
-    from deinfer_megatron.checkpoints.folder import open_config, open_model
-    from deinfer_megatron.specs.layout import AUTO, Layout
+    def check(self, arch: ModelArch, rank_config: RankConfig) -> None:
+        """What can be checked before any rank starts (``runtime.job.JobSpec``)."""
+        for name, value, least in (("--max-batch", self.max_batch, 1), ("--max-queue", self.max_queue, 0),
+                                   ("--prefill-chunk", self.prefill_chunk, 1)):
+            if value < least:
+                raise ValueError(f"{name} must be at least {least}, got {value}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be between 0 and 65535, got {self.port}")
+        self.cache.check_budget()
+        missing = [name for name in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(name) is None]
+        if missing:
+            raise RuntimeError(f"serve needs {', '.join(missing)}: pip install 'deinfer-megatron[serve]'")
+        if self.parallel.layout.fixed not in factored_layouts() or not rank_config.modules:
+            raise ValueError("serve needs a decomposed model in the deinfer or naive layout (each request keeps "
+                             "its own positions in the decomposed attention); decompose it with "
+                             "`deinfer-megatron decompose`")
+        if self.max_seq_len is not None and not 1 <= self.max_seq_len <= arch.max_positions:
+            raise ValueError(f"--max-seq-len must be between 1 and the model's context of {arch.max_positions}, "
+                             f"got {self.max_seq_len}")
 
-    for name, value, least in (("--max-batch", job.max_batch, 1), ("--max-queue", job.max_queue, 0),
-                               ("--prefill-chunk", job.prefill_chunk, 1)):
-        if value < least:
-            raise ValueError(f"{name} must be at least {least}, got {value}")
-    if not 0 <= job.port <= 65535:
-        raise ValueError(f"--port must be between 0 and 65535, got {job.port}")
-    job.cache.check_budget()
-    missing = [name for name in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise RuntimeError(f"serve needs {', '.join(missing)}: pip install 'deinfer-megatron[serve]'")
-    if job.parallel.layout == AUTO:  # one plan would have to hold for every batch the scheduler forms
-        raise ValueError("serve takes a fixed --layout (deinfer or naive), not auto")
-    arch, ranks = open_config(job.model, verify=job.verify)
-    if job.parallel.layout is Layout.DENSE or not ranks.modules:
-        raise ValueError("serve needs a decomposed model in the deinfer or naive layout (each request keeps "
-                         "its own positions in the decomposed attention); decompose it with "
-                         "`deinfer-megatron decompose`")
-    if job.cache.kind is CacheKind.LATENT and not job.parallel.layout.supports_latent_cache:
-        raise ValueError(f"--kv-cache latent needs --layout {latent_cache_layouts()} (whole latents on every rank)")
-    if job.max_seq_len is not None and not 1 <= job.max_seq_len <= arch.max_positions:
-        raise ValueError(f"--max-seq-len must be between 1 and the model's context of {arch.max_positions}, "
-                         f"got {job.max_seq_len}")
-    open_model(job.model, verify=job.verify)
+    def workload(self) -> Workload:
+        """A decode step of every slot (a fixed layout: not priced)."""
+        return Workload(tp=self.parallel.tp, batch=self.max_batch, dtype=self.dtype.value)
+
+    def footprint(self, arch: ModelArch) -> Footprint:
+        """Every slot's KV tokens (under ``--kv-budget-gb``, at most that budget: counted by the
+        ranks, ``kv_slots``) and a step's prompt chunk."""
+        slots = 0 if self.cache.budget_gb is not None else self.max_batch * self.tokens_per_slot(arch)
+        return Footprint(kv_tokens=slots, kv_cache=self.cache.kind, prefill_rows=self.prefill_chunk,
+                         context=self.tokens_per_slot(arch), logit_rows=self.max_batch)
+
+    def check_plan(self, plan: LayoutPlan) -> None:
+        if self.cache.kind is CacheKind.LATENT and not plan.supports_latent_cache:
+            raise ValueError(f"--kv-cache latent needs --layout {latent_cache_layouts()} (whole latents on every rank)")
 
 
 def kv_slots(job: ServeJob, bytes_per_token: int, tokens_per_slot: int) -> int:
@@ -136,7 +160,6 @@ class _Lead:
     def __init__(self, job: ServeJob, runner: StepRunner, slots: int, tokens_per_slot: int, kv_bytes: int) -> None:
         import transformers
 
-        from deinfer_megatron.generation.job import eos_ids
         from deinfer_megatron.serving.metrics import ServerMetrics
         from deinfer_megatron.serving.scheduler import Scheduler
 
@@ -210,40 +233,32 @@ class _Lead:
         time.sleep(1.0)  # the handlers send their errors before the server goes
 
 
-def _rank(job: ServeJob) -> dict[str, Any] | None:
-    import torch
-
-    from deinfer_megatron.generation.job import kv_bytes_per_token
-    from deinfer_megatron.layers.slot_cache import SlotContext
-    from deinfer_megatron.models.build import load_folder
-    from deinfer_megatron.parallel import comm
-    from deinfer_megatron.parallel.runtime import init_parallel, shutdown
-
-    par = job.parallel
-    # every launch path has set RANK by now (launch.run); the lead binds before gloo opens sockets
-    sock = listen(job.host, job.port) if int(os.environ.get("RANK", "0")) == 0 else None
+@contextlib.contextmanager
+def _lead_socket(job: ServeJob, rank: int) -> Iterator[socket.socket | None]:
+    """Global rank 0's HTTP socket (``listen``), bound before the ranks join and closed after
+    they are gone; nothing on the other ranks."""
+    sock = listen(job.host, job.port) if rank == 0 else None
     try:
-        groups = init_parallel(par.tp, par.pp)
-    except BaseException:
+        yield sock
+    finally:
         if sock is not None:
             sock.close()
-        raise
+
+
+def _serve_on_rank(ctx: RankContext) -> dict[str, Any] | None:
+    """One rank of the server: the step loop; on global rank 0 also the scheduler and HTTP."""
+    job, stage, sock = ctx.spec, ctx.stage, ctx.opened
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        stage = load_folder(job.model, par.layout, groups, dtype=job.dtype.torch, verify=False)  # validate() verified
-        tokens_per_slot = job.max_seq_len or min(stage.arch.max_positions, 2048)
+        tokens_per_slot = job.tokens_per_slot(stage.arch)
         per_token = kv_bytes_per_token(stage, job.cache.kind)
         agreed = comm.max_over_world(torch.tensor([-kv_slots(job, per_token, tokens_per_slot),
                                                    per_token * tokens_per_slot], dtype=torch.float64,
                                                   device=stage.device))
         slots, slot_bytes = int(-agreed[0].item()), int(agreed[1].item())
         context = SlotContext(slots, tokens_per_slot, kv_cache=job.cache.kind, absorb_values=job.cache.absorb_values)
-        if job.engine is Engine.DEEPSPEED:
-            from deinfer_megatron.generation.deepspeed_engine import wrap_with_deepspeed
-
-            stage.runner = wrap_with_deepspeed(stage.model, groups, job.dtype.torch)
         runner = StepRunner(stage, context)
-        if groups.global_rank != 0:
+        if not ctx.reports:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 decides when every rank stops
             while not (plan := exchange_plan(None, stage.device)).stop:
                 runner.run(plan)
@@ -267,19 +282,15 @@ def _rank(job: ServeJob) -> dict[str, Any] | None:
                 "kv_cache_bytes": slots * slot_bytes, "drained": True}
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if sock is not None:
-            sock.close()
-        shutdown()
 
 
-def prepare(job: ServeJob) -> None:
-    from deinfer_megatron.arch.model import load_arch
-
+def validate(job: ServeJob) -> None:
+    """Every check ``run_serve`` makes before its ranks start (a command that starts a launcher)."""
     load_arch(job.model)  # a missing folder or config.json is named first
-    validate(job)
+    check_job(job)
 
 
 def run_serve(job: ServeJob) -> dict[str, Any] | None:
     """Serve until SIGTERM (the result on the reporting process) or until a rank fails (raises)."""
-    prepare(job)
-    return run_on_ranks(job.parallel.world, _rank, job)
+    load_arch(job.model)  # a missing folder or config.json is named first
+    return run_prepared(prepare(job), _serve_on_rank, before_groups=partial(_lead_socket, job))

@@ -2,7 +2,7 @@
 
 A Megatron user serving a decomposed model swaps one argument:
 
-    block_spec = decomposed_block_spec(config, rank_config, "deinfer")
+    block_spec = decomposed_block_spec(config, rank_config, Layout.DEINFER)
     model = GPTModel(config, block_spec, vocab_size, max_seq_len, ...)
 
 Each layer's attention and MLP is either Megatron's dense module or the decomposed one with the
@@ -129,11 +129,11 @@ def require_dense_mlp_fits(ffn_hidden_size: int, tp: int, layer_index: int) -> N
         )
 
 
-def layer_spec(config: Any, ranks: LayerRanks, layout: "Layout | BlockLayouts | str",
+def layer_spec(config: Any, ranks: LayerRanks, layout: "Layout | BlockLayouts",
                layer_index: int) -> ModuleSpec:
     """The ``TransformerLayer`` spec of global layer ``layer_index`` (0-based); ``layout`` is one
     layout for both blocks or a ``BlockLayouts`` (one per block)."""
-    blocks = layout if isinstance(layout, BlockLayouts) else BlockLayouts(Layout.parse(layout), Layout.parse(layout))
+    blocks = layout if isinstance(layout, BlockLayouts) else as_plan(layout, 1).layers[0]
     attn_classes, mlp_classes = FACTOR_CLASSES[blocks.attention], FACTOR_CLASSES[blocks.mlp]
     number = layer_index + 1  # Megatron's layer_number
     attn_ranks = ranks.attention if attn_classes else None
@@ -163,7 +163,7 @@ def layer_spec(config: Any, ranks: LayerRanks, layout: "Layout | BlockLayouts | 
 def decomposed_block_spec(
     config: Any,
     rank_config: RankConfig,
-    layout: Layout | LayoutPlan | str,
+    layout: Layout | LayoutPlan,
     *,
     pp_rank: int | None = None,
 ) -> TransformerBlockSubmodules:
@@ -172,8 +172,8 @@ def decomposed_block_spec(
     Args:
         config: Megatron ``TransformerConfig`` of the whole model.
         rank_config: validated ranks (``RankConfig.dense(arch)`` for a dense model).
-        layout: ``"deinfer"``, ``"naive"`` or ``"dense"``, or a ``LayoutPlan`` (a layout per
-            block, e.g. chosen by ``--layout auto``).
+        layout: a ``Layout`` (``Layout.DEINFER``, ``NAIVE`` or ``DENSE``) for every block, or a
+            ``LayoutPlan`` (a layout per block, e.g. chosen by ``--layout auto``).
         pp_rank: this stage's pipeline rank (Megatron's global state is read when omitted,
             as ``get_gpt_decoder_block_spec`` does).
     """

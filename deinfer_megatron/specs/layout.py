@@ -5,7 +5,12 @@ a decomposed MLP. ``dense`` has no factor classes: every layer is built as Megat
 tensor-parallel layer (a decomposed checkpoint is multiplied out at load time).
 
 The spec builder puts these classes into the slots, and the planner asks the same classes what
-they cost (their ``cost`` class methods), so a new layout is one entry in ``FACTOR_CLASSES``.
+they cost (their ``cost`` class methods), so a new layout is one ``Layout`` member and its entry
+in ``FACTOR_CLASSES``: ``--layout auto`` prices every entry (in the table's order on a tie), the
+commands offer every member, ``serve`` and ``heal`` every layout with factor classes.
+
+Below ``planning`` a layout is always a ``Layout`` or a ``LayoutPlan``, never a string: what a
+user asks for (``auto`` or a fixed layout) is ``planning.request.LayoutRequest``.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ class FactorClasses:
     row: type  # a whole factor pair in a row slot (linear_proj, linear_fc2)
 
 
+# The layout table, in the order ``--layout auto`` prefers its entries when two price the same.
 FACTOR_CLASSES: dict[Layout, FactorClasses | None] = {
     Layout.DEINFER: FactorClasses(GatheredDown, ShardedUp, DeInferColumnLinear, DeInferRowLinear),
     Layout.NAIVE: FactorClasses(ShardedDown, ReducedUp, NaiveFactoredLinear, NaiveFactoredLinear),
@@ -73,11 +79,14 @@ FACTOR_CLASSES: dict[Layout, FactorClasses | None] = {
 }
 
 
-AUTO = "auto"  # ``--layout auto``: the planner's cost model picks a layout per block (planning.auto)
-# The ``--layout`` of ``generate`` and ``eval-ppl`` when none is given: a job knows its batch and
-# context before its ranks start, so the cost model can price it once; ``serve`` (whose batch
-# changes every step) and ``heal`` (training) keep a fixed layout of their own.
-INFERENCE_DEFAULT = AUTO
+def factored_layouts() -> tuple[Layout, ...]:
+    """The layouts that keep the factors (``serve`` and ``heal`` run these), in table order."""
+    return tuple(layout for layout, classes in FACTOR_CLASSES.items() if classes is not None)
+
+
+def latent_cache_layouts() -> str:
+    """The layouts that can keep the latent cache, as a user reads them (``deinfer``)."""
+    return " or ".join(layout.value for layout in FACTOR_CLASSES if layout.supports_latent_cache)
 
 
 @dataclass(frozen=True)
@@ -99,7 +108,7 @@ class LayoutPlan:
     """
 
     layers: tuple[BlockLayouts, ...]
-    name: str = AUTO  # how the plan is shown (``auto``, or the uniform layout's name)
+    name: str  # how the plan is shown: what was asked for (``auto``), or the uniform layout's name
 
     @classmethod
     def uniform(cls, layout: "Layout | str", num_layers: int) -> "LayoutPlan":
@@ -109,6 +118,12 @@ class LayoutPlan:
     @property
     def value(self) -> str:
         return self.name
+
+    @property
+    def uniform_layout(self) -> Layout | None:
+        """The layout of every block when they all share one, else None."""
+        kinds = {k for b in self.layers for k in (b.attention, b.mlp)}
+        return next(iter(kinds)) if len(kinds) == 1 else None
 
     @property
     def multiplies_out(self) -> bool:
@@ -147,34 +162,16 @@ class LayoutPlan:
         return ", ".join(f"{i} {b.attention.value}/{b.mlp.value}" for i, b in enumerate(self.layers))
 
     @classmethod
-    def from_json(cls, doc: list[dict[str, str]], name: str = AUTO) -> "LayoutPlan":
+    def from_json(cls, doc: list[dict[str, str]], name: str) -> "LayoutPlan":
         return cls(tuple(BlockLayouts(Layout.parse(b["attention"]), Layout.parse(b["mlp"])) for b in doc), name)
 
 
-def as_plan(layout: "Layout | LayoutPlan | str", num_layers: int) -> LayoutPlan:
-    """``layout`` as a plan of ``num_layers`` layers (a ``Layout`` or its name: uniform)."""
+def as_plan(layout: "Layout | LayoutPlan", num_layers: int) -> LayoutPlan:
+    """``layout`` as a plan of ``num_layers`` layers (a ``Layout``: the uniform plan)."""
     if isinstance(layout, LayoutPlan):
         if len(layout.layers) != num_layers:
             raise ValueError(f"layout plan describes {len(layout.layers)} layers, the model has {num_layers}")
         return layout
-    if layout == AUTO:
-        raise ValueError("--layout auto must be resolved by the planner (planning.auto.auto_plan) before building")
+    if not isinstance(layout, Layout):
+        raise TypeError(f"a layout is a Layout or a LayoutPlan, not {layout!r} (planning.request parses names)")
     return LayoutPlan.uniform(layout, num_layers)
-
-
-def parse_layout_option(value: "str | Layout | LayoutPlan") -> "Layout | LayoutPlan | str":
-    """A ``--layout`` value: a fixed ``Layout``, ``auto`` (kept as the string until the planner
-    resolves it against the job's sizes), or an already resolved plan (passes unchanged)."""
-    if isinstance(value, LayoutPlan) or value == AUTO:
-        return value
-    try:
-        return Layout.parse(value)
-    except ValueError:
-        raise ValueError(
-            f"unknown layout {value!r}; choose one of {', '.join(layout_option_names())}"
-        ) from None
-
-
-def layout_option_names() -> list[str]:
-    """The ``--layout`` choices: ``auto`` and every fixed layout."""
-    return [AUTO] + [m.value for m in Layout]

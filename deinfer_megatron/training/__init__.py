@@ -4,7 +4,7 @@ The API (every rank of the job runs the same calls, in lockstep)::
 
     from deinfer_megatron.training import OptimizerConfig, Trainer
 
-    stage = load_folder(path, "deinfer", groups)          # or build_stage + load_weights
+    stage = load_folder(path, Layout.DEINFER, groups)          # or build_stage + load_weights
     trainer = Trainer(stage, OptimizerConfig(lr=1e-4, warmup_steps=10, total_steps=500,
                                              clip_grad=1.0), train="factors")
     for micro_batches in batches:                          # the same list on every rank

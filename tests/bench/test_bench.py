@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from deinfer_megatron.bench import matrix, report, roofline
+from deinfer_megatron.bench.records import CellStatus
 from deinfer_megatron.bench.sources import ModelSource
 from deinfer_megatron.cli.main import run
-from deinfer_megatron.bench.records import CellStatus
 from deinfer_megatron.decompose.allocation import uniform_ranks
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.models.synthetic import synthetic_arch
@@ -54,7 +54,7 @@ def tiny(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dict]:
 def expected_plan(layout: str, tp: int) -> dict:
     arch = synthetic_arch("llama-tiny")
     ranks = RankConfig.from_mapping(uniform_ranks(arch, 0.6), arch)
-    return make_plan(arch, ranks, layout, tp=tp).totals
+    return make_plan(arch, ranks, Layout(layout), tp=tp).totals
 
 
 def test_every_cell_measured_and_matches_the_plan(tiny) -> None:
@@ -116,8 +116,8 @@ def test_speedups_and_reports(tiny) -> None:
 @pytest.fixture(scope="module")
 def auto_and_peers(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dict]:
     """``auto`` and ``deinfer`` at TP=2, with both peers beside them (one launch for all)."""
-    from tests.helpers.cost_tables import elements_only, with_free_shapes, zero_overhead
     from deinfer_megatron.planning import cost_model
+    from tests.helpers.cost_tables import elements_only, with_free_shapes, zero_overhead
 
     tmp_path = tmp_path_factory.mktemp("auto-peers")
     table = elements_only()
@@ -321,7 +321,7 @@ def test_the_grid_is_every_combination_in_a_stable_order() -> None:
     grid = matrix.BenchGrid(synthetic="llama-tiny", layouts=(Layout.NAIVE, Layout.DEINFER),
                             kv_caches=(CacheKind.FULL, CacheKind.LATENT), tps=(1, 2), batches=(1, 8),
                             prompt_lens=(16, 64), gen_len=2)
-    got = [(c.prompt_len, c.tp, c.batch, c.layout, c.kv_cache) for c in matrix.make_cells(grid)]
+    got = [(c.prompt_len, c.tp, c.batch, c.layout.fixed, c.kv_cache) for c in matrix.make_cells(grid)]
     assert got == list(product((16, 64), (1, 2), (1, 8), (Layout.NAIVE, Layout.DEINFER),
                                (CacheKind.FULL, CacheKind.LATENT)))
 
@@ -332,12 +332,12 @@ def test_failed_cell_is_recorded_and_the_matrix_goes_on(tmp_path) -> None:
     grid = matrix.BenchGrid(synthetic="llama-tiny", layouts=(Layout.NAIVE, Layout.DEINFER),
                             kv_caches=(CacheKind.FULL, CacheKind.LATENT), tps=(2,), batches=(1,), gen_len=2)
 
-    def runner(cell, source, grid):
-        if cell.layout is Layout.NAIVE:
+    def runner(prepared, grid):
+        if prepared.spec.parallel.layout.fixed is Layout.NAIVE:
             raise RuntimeError("rank 1 ran out of memory\ntraceback ...")
         return []
 
-    records = matrix.run_matrix(grid, source, runner=runner, progress=False)
+    records = matrix.run_matrix(grid, matrix.prepare_cells(grid, source), runner=runner, progress=False)
     assert [r.status for r in records] == [CellStatus.ERROR, CellStatus.SKIPPED, CellStatus.OK, CellStatus.OK]
     assert records[0].error == "RuntimeError: rank 1 ran out of memory"
     failed, skipped = records[0].to_json(), records[1].to_json()

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from deinfer_megatron.specs.layout import Layout
 from tests.helpers.distributed import run_ranks
 from tests.helpers.tiny_models import decompose_randomly, mixed_ranks, random_hf_model
 
@@ -84,7 +85,7 @@ def worker(plan: list[tuple[int, int, bool]], root: str) -> dict[str, Any]:
                 pos = torch.arange(ids.shape[1]).expand_as(ids)
                 for name, layout in _jobs(family, tp, pp, save):
                     folder = Path(root) / f"{family}-{name}"
-                    stage = build_stage(arch, rank_config, layout, groups)
+                    stage = build_stage(arch, rank_config, Layout(layout), groups)
                     if save:
                         load_weights(stage, state, rank_config)
                         # a stage this project builds asks for per-layer keys itself

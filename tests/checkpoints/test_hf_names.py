@@ -138,13 +138,14 @@ def _built_parameters(cases: list[tuple[str, bool]]) -> dict[str, list[str]]:
     """Rank body: the parameter names of each family's TP=1 stage, as Megatron builds it."""
     from deinfer_megatron.models.build import build_stage
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+    from deinfer_megatron.specs.layout import Layout
 
     groups = init_parallel(1, 1)
     out = {}
     try:
         for family, decomposed in cases:
             arch, rank_config, _ = _case(family, decomposed)
-            stage = build_stage(arch, rank_config, "deinfer" if decomposed else "dense", groups)
+            stage = build_stage(arch, rank_config, Layout.DEINFER if decomposed else Layout.DENSE, groups)
             out[f"{family}/{decomposed}"] = [n for n, _ in stage.model.named_parameters()]
     finally:
         shutdown()

@@ -126,6 +126,7 @@ def write_checkpoints(layouts: list[tuple[int, int]], root: str) -> dict[str, bo
     from deinfer_megatron.arch.model import arch_from_hf_config
     from deinfer_megatron.models.build import build_stage, load_weights
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+    from deinfer_megatron.specs.layout import Layout
     from deinfer_megatron.specs.rank_config import RankConfig
 
     # Megatron's torch_dist writer forks worker processes, which a daemonic rank may not have.
@@ -140,7 +141,7 @@ def write_checkpoints(layouts: list[tuple[int, int]], root: str) -> dict[str, bo
             for family, dtype in variants:
                 hf = random_hf_model(family)
                 arch = arch_from_hf_config(hf.config.to_dict())
-                stage = build_stage(arch, RankConfig.dense(arch), "dense", groups, dtype=dtype)
+                stage = build_stage(arch, RankConfig.dense(arch), Layout.DENSE, groups, dtype=dtype)
                 load_weights(stage, hf.state_dict(), RankConfig.dense(arch))
                 tag = "-bf16" if dtype == torch.bfloat16 else ""
 
@@ -369,8 +370,8 @@ def test_a_megatron_checkpoint_goes_straight_to_a_served_decomposed_model(checkp
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
     from deinfer_megatron.arch.model import arch_from_hf_config
+    from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
     from tests.helpers.stage import stage_logits
 
     reference = references["llama"]

@@ -28,7 +28,7 @@ def test_demo_compares_the_three_layouts() -> None:
     ranks = RankConfig.from_mapping(uniform_ranks(arch, DEMO_RATIO, layers=range(arch.num_layers - 1)), arch)
     for d in docs:
         where = d["layout"]
-        plan = make_plan(arch, ranks, d["layout"], tp=TP).totals  # independently of the demo
+        plan = make_plan(arch, ranks, Layout(d["layout"]), tp=TP).totals  # independently of the demo
         assert d["tp"] == TP, where
         assert d["plan"] == {"collectives_per_token": plan["collectives_per_token"],
                              "elements_per_token": plan["elements_per_token"]}, where

@@ -118,7 +118,7 @@ def test_flags_are_parsed_into_a_typed_config(tmp_path: Path) -> None:
     """argparse parses straight into the job's typed values; ``main`` gets a ``GenerateConfig``."""
     from deinfer_megatron.cli.generate_cmd import GenerateConfig
     from deinfer_megatron.cli.main import build_parser
-    from deinfer_megatron.generation.options import DType, Engine
+    from deinfer_megatron.runtime.options import DType, Engine
     from deinfer_megatron.layers.kv_cache import CacheKind
     from deinfer_megatron.parallel.collectives import Collectives
     from deinfer_megatron.specs.layout import INFERENCE_DEFAULT, Layout

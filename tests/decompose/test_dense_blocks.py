@@ -16,6 +16,7 @@ import torch
 from deinfer_megatron.checkpoints.folder import open_model
 from deinfer_megatron.decompose.allocation import ALLOCATOR_VERSION, BREAK_EVEN_FRACTION, uniform_rank
 from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
+from deinfer_megatron.specs.layout import Layout
 from tests.helpers.distributed import run_ranks
 from tests.helpers.text import real_text_file
 from tests.helpers.tiny_models import save_tiny_folder
@@ -70,7 +71,7 @@ def _logits_worker(tp: int, folder: Path, ids: torch.Tensor) -> dict[str, torch.
     groups = init_parallel(tp, 1)
     try:
         pos = torch.arange(ids.shape[1]).expand_as(ids)
-        return {layout: stage_forward(load_folder(folder, layout, groups), ids, pos).cpu() for layout in LAYOUTS}
+        return {layout: stage_forward(load_folder(folder, Layout(layout), groups), ids, pos).cpu() for layout in LAYOUTS}
     finally:
         shutdown()
 

@@ -15,9 +15,10 @@ import torch
 
 from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
 from deinfer_megatron.generation.job import GenerateJob
-from deinfer_megatron.generation.options import CacheOptions, DType, Engine, Parallelism, latent_cache_layouts
+from deinfer_megatron.generation.options import CacheOptions
 from deinfer_megatron.layers.kv_cache import CacheKind
-from deinfer_megatron.specs.layout import Layout
+from deinfer_megatron.runtime.options import DType, Engine, Parallelism
+from deinfer_megatron.specs.layout import Layout, latent_cache_layouts
 from tests.helpers.distributed import run_ranks
 from tests.helpers.tiny_models import full_ranks, save_tiny_folder
 

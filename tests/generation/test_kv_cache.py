@@ -20,13 +20,14 @@ def _allocated(model: str, kv: str) -> tuple[int, int]:
     from deinfer_megatron.models.build import load_folder
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
     from deinfer_megatron.planning.plan import make_plan
+    from deinfer_megatron.specs.layout import Layout
 
     groups = init_parallel(1, 1)
     try:
-        stage = load_folder(Path(model), "deinfer", groups)
+        stage = load_folder(Path(model), Layout.DEINFER, groups)
         ctx = GenerationContext(2, 12, kv_cache=kv)
         generate_tokens(stage, [[1, 5, 9], [1, 7]], max_new_tokens=4, params=SamplingParams(), context=ctx)
-        plan = make_plan(stage.arch, stage.rank_config, "deinfer")
+        plan = make_plan(stage.arch, stage.rank_config, Layout.DEINFER)
         return describe(ctx)["kv_bytes_per_token"], plan.totals["kv_bytes_per_token"][kv]
     finally:
         shutdown()

@@ -15,6 +15,7 @@ import torch
 
 from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
 from deinfer_megatron.generation.prefill import check_max_tokens, chunk_bounds, chunk_mask
+from deinfer_megatron.specs.layout import Layout
 from tests.helpers.distributed import run_ranks
 from tests.helpers.tiny_models import full_ranks, save_tiny_folder
 
@@ -58,7 +59,7 @@ def _prefill_logits(model: str, prompts: list[list[int]], budget: int) -> dict[s
     out: dict[str, list] = {}
     try:
         for layout, kv in (("deinfer", "full"), ("deinfer", "latent"), ("naive", "full"), ("dense", "full")):
-            stage = load_folder(Path(model), layout, groups)
+            stage = load_folder(Path(model), Layout(layout), groups)
             ctx = GenerationContext(b, s + 1, kv_cache=kv)
             ctx.reset()
             first = chunked_forward(lambda lo, hi, m: _forward(stage, tokens[:, lo:hi], lo, ctx, m),

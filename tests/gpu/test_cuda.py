@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from deinfer_megatron.specs.layout import Layout
 from tests.helpers.distributed import run_ranks
 from tests.helpers.tiny_models import decompose_randomly, mixed_ranks, random_hf_model
 
@@ -62,7 +63,7 @@ def parity_worker(tp: int) -> dict[str, Any]:
             with torch.no_grad():
                 ref = hf(ids).logits
             for layout in LAYOUTS:
-                stage = build_stage(arch, rank_config, layout, groups)
+                stage = build_stage(arch, rank_config, Layout(layout), groups)
                 load_weights(stage, state, rank_config)
                 logits = stage_forward(stage, ids, pos)
                 out["results"][f"{family}/{layout}"] = {
@@ -105,7 +106,7 @@ def generation_worker(layouts: tuple[str, ...]) -> dict[str, Any]:
     try:
         _, state, arch, rank_config = _case("llama")
         for layout in layouts:
-            stage = build_stage(arch, rank_config, layout, groups)
+            stage = build_stage(arch, rank_config, Layout(layout), groups)
             load_weights(stage, state, rank_config)
             for driver, run in (("loop", generate_tokens), ("engine", generate_with_engine)):
                 context = GenerationContext(len(PROMPTS), max(map(len, PROMPTS)) + MAX_NEW)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from deinfer_megatron.specs.layout import Layout
 
 CHUNKED = "-chunked"  # a driver run with a prefill of one position per forward
 
@@ -39,7 +40,7 @@ def generation_worker(tp: int, pp: int, models: dict[str, str], prompts: list[li
     try:
         for name, folder in models.items():
             for layout in layouts:
-                stage = load_folder(Path(folder), layout, groups)
+                stage = load_folder(Path(folder), Layout(layout), groups)
                 decomposed = bool(stage.rank_config.modules)
                 for kv, absorb, driver in configurations(layout, decomposed, chunked):
                     context = GenerationContext(len(prompts), max(map(len, prompts)) + max_new,
@@ -64,14 +65,13 @@ def generation_worker(tp: int, pp: int, models: dict[str, str], prompts: list[li
                         outs, _ = run(stage, prompts, max_new_tokens=max_new, params=sampled, context=ctx)
                         results[f"{name}/sampled/{driver}"] = [o.token_ids for o in outs]
                 if deepspeed and layout == "deinfer":
-                    from deinfer_megatron.generation.deepspeed_engine import wrap_with_deepspeed
+                    from deinfer_megatron.runtime.engines import driven_by
+                    from deinfer_megatron.runtime.options import Engine
 
-                    stage.runner = wrap_with_deepspeed(stage.model, groups, torch.float32)
+                    wrapped = driven_by(Engine.DEEPSPEED, stage, torch.float32)
                     for driver, run in (("engine", generate_with_engine), ("loop", generate_tokens)):
                         ctx = GenerationContext(len(prompts), max(map(len, prompts)) + max_new)
-                        extra = {"model": stage.runner} if driver == "engine" else {}
-                        outs, _ = run(stage, prompts, max_new_tokens=max_new, params=SamplingParams(),
-                                      context=ctx, **extra)
+                        outs, _ = run(wrapped, prompts, max_new_tokens=max_new, params=SamplingParams(), context=ctx)
                         results[f"{name}/deepspeed/{driver}"] = [o.token_ids for o in outs]
     finally:
         shutdown()

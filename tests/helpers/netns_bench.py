@@ -42,9 +42,10 @@ from tests.helpers import netns
 
 _RANK = """
 import os, pickle, sys
-from deinfer_megatron.bench.measure import cell_worker
-job = pickle.loads(open(sys.argv[1], "rb").read())
-result = pickle.dumps(cell_worker(job))
+from deinfer_megatron.bench.measure import measure_cell
+from deinfer_megatron.runtime.job import run_prepared
+prepared = pickle.loads(open(sys.argv[1], "rb").read())
+result = pickle.dumps(run_prepared(prepared, measure_cell))
 tmp = sys.argv[2] + ".tmp"
 open(tmp, "wb").write(result)
 os.replace(tmp, sys.argv[2])
@@ -55,7 +56,7 @@ _LINK = """
 import json, os, sys
 from deinfer_megatron.parallel.runtime import init_parallel, shutdown
 from deinfer_megatron.parallel.topology import TPView
-from deinfer_megatron.planning.agree import measure_tp_collectives
+from deinfer_megatron.runtime.agree import measure_tp_collectives
 groups = init_parallel(2, 1, collectives=sys.argv[1])
 try:
     link = measure_tp_collectives(TPView(groups.tp_rank, 2, groups.pg_collection.tp), groups.device)
@@ -112,7 +113,7 @@ class Pair:
 
 
 def measure_link(pair: Pair, collectives: str = "auto") -> dict[str, list[float]]:
-    """The TP group's collectives across the link (``planning.agree.measure_tp_collectives``, what
+    """The TP group's collectives across the link (``runtime.agree.measure_tp_collectives``, what
     a launched ``--layout auto`` job measures in its ranks): what ``auto`` and ``--predict`` price."""
     return json.loads(pair.run(_LINK, collectives)[0].read_text())
 
@@ -123,41 +124,16 @@ def transports_across(pair: Pair, max_elements: int, rounds: int, iters: int) ->
     return json.loads(pair.run(_TRANSPORTS, str(max_elements), str(rounds), str(iters))[0].read_text())
 
 
-def namespace_runner(pair: Pair, collectives: str = "auto") -> Any:
-    """A ``bench.matrix`` runner that starts rank r of a TP=2 cell in namespace r; an ``auto`` cell
-    runs the plan priced with ``grid.collectives`` (the link's measured rates). ``collectives``:
-    all-reduce as all-gather + sum across the link (``auto``) or gloo's own (``process-group``)."""
-    from deinfer_megatron.bench.matrix import cell_layout, random_prompts
-    from deinfer_megatron.bench.measure import CellJob
-
-    def run(cell: Any, source: Any, grid: Any) -> list[Any]:
-        if cell.tp != 2:
-            raise ValueError(f"across two namespaces a cell needs --tp 2 (one rank per node), got {cell.tp}")
-        layout = cell_layout(cell, source, grid.gen_len, grid.collectives)
-        job = CellJob(source.folder_for(layout), layout, cell.kv_cache, cell.tp, cell.batch,
-                      cell.prompt_len, grid.gen_len, grid.repeats,
-                      random_prompts(source.arch.vocab_size, cell.batch, cell.prompt_len, grid.seed),
-                      collectives=collectives)
+def namespace_runner(pair: Pair) -> Any:
+    """A ``bench.matrix`` runner that starts rank r of a prepared TP=2 cell in namespace r, each
+    a launched rank of the runtime (its plan, an ``auto`` cell's priced with ``grid.collectives``,
+    the link's measured rates, came prepared); rank 0 writes every rank's measurements."""
+    def run(prepared: Any, grid: Any) -> list[Any]:
+        if prepared.spec.tp != 2:
+            raise ValueError(f"across two namespaces a cell needs --tp 2 (one rank per node), got {prepared.spec.tp}")
         job_file = pair.scratch / f"cell{pair.count + 1}.job"
-        job_file.write_bytes(pickle.dumps(job))
-        return [pickle.loads(path.read_bytes()) for path in pair.run(_RANK, str(job_file))]
-
-    return run
-
-
-def local_runner(collectives: str) -> Any:
-    """The bench's local runner (two spawned ranks on this machine) with a chosen transport."""
-    from deinfer_megatron.bench.matrix import cell_layout, random_prompts
-    from deinfer_megatron.bench.measure import CellJob, cell_worker
-    from deinfer_megatron.launch.local import spawn_local
-
-    def run(cell: Any, source: Any, grid: Any) -> list[Any]:
-        layout = cell_layout(cell, source, grid.gen_len)
-        job = CellJob(source.folder_for(layout), layout, cell.kv_cache, cell.tp, cell.batch,
-                      cell.prompt_len, grid.gen_len, grid.repeats,
-                      random_prompts(source.arch.vocab_size, cell.batch, cell.prompt_len, grid.seed),
-                      collectives=collectives)
-        return spawn_local(cell.tp, cell_worker, job, timeout=grid.cell_timeout_s)
+        job_file.write_bytes(pickle.dumps(prepared))
+        return pickle.loads(pair.run(_RANK, str(job_file))[0].read_bytes())
 
     return run
 
@@ -177,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     from deinfer_megatron.bench.sources import synthetic_source
     from deinfer_megatron.layers.kv_cache import CacheKind
     from deinfer_megatron.cli.bench_cmd import profiled_and_predicted
-    from deinfer_megatron.specs.layout import AUTO, Layout
+    from deinfer_megatron.planning.request import AUTO, LayoutRequest
 
     p = argparse.ArgumentParser(prog="python -m tests.helpers.netns_bench", description=__doc__.split("\n")[0])
     p.add_argument("--synthetic", default="llama-tiny")
@@ -220,26 +196,27 @@ def main(argv: list[str] | None = None) -> int:
             report.write_atomic(a.json, json.dumps(result, indent=1))
         return 0
     grid = matrix.BenchGrid(synthetic=a.synthetic, ratio=a.ratio,
-                            layouts=tuple(x if x == AUTO else Layout.parse(x) for x in a.layouts.split(",")),
+                            layouts=tuple(LayoutRequest.parse(x) for x in a.layouts.split(",")),
                             kv_caches=(CacheKind.FULL,), tps=(2,),
                             batches=tuple(int(x) for x in a.batch.split(",")),
                             prompt_lens=tuple(int(x) for x in a.prompt_len.split(",")),
-                            gen_len=a.gen_len, repeats=a.repeats)
+                            gen_len=a.gen_len, repeats=a.repeats, transport=a.collectives)
     with tempfile.TemporaryDirectory(prefix="deinfer-netns-bench-") as work:
         scratch = Path(work)
         source = synthetic_source(a.synthetic, a.ratio, 0, scratch)
         if a.rate == "local":
-            records = matrix.run_matrix(grid, source, runner=local_runner(a.collectives), progress=False)
+            records = matrix.run_matrix(grid, matrix.prepare_cells(grid, source), progress=False)
         else:
             with netns.two_nodes(netns.RATES[a.rate]) as nodes:
                 pair = Pair(nodes, scratch)
-                if AUTO in grid.layouts or a.predict:
+                if LayoutRequest.auto() in grid.layouts or a.predict:
                     grid = replace(grid, collectives=measure_link(pair, a.collectives))
                     print("the link's collectives: " + ", ".join(
                         f"{k} {v[0] * 1e6:.0f} us + {v[1] / 1e9:.3f} GB/s" for k, v in grid.collectives.items()))
-                records = matrix.run_matrix(grid, source, runner=namespace_runner(pair, a.collectives), progress=False)
+                records = matrix.run_matrix(grid, matrix.prepare_cells(grid, source), runner=namespace_runner(pair),
+                                            progress=False)
         records = [report.summarize(r) if r.status is CellStatus.OK else r for r in records]
-        if AUTO in grid.layouts or a.predict:  # priced while the model is on disk (the plans read it)
+        if LayoutRequest.auto() in grid.layouts or a.predict:  # priced while the model is on disk
             records = profiled_and_predicted(replace(grid, predict=a.predict), source, records)
     records, comparisons = report.compare(records)
     print("TP=2 on this machine, collectives " + a.collectives if a.rate == "local"

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from deinfer_megatron.specs.layout import Layout
 from tests.helpers.tiny_models import decompose_randomly, mixed_ranks, random_hf_model
 
 DECOMPOSED_LAYERS = [0, 2, 3]  # layer 1 stays dense: mixed models are the normal case
@@ -15,8 +16,8 @@ DECOMPOSED_LAYERS = [0, 2, 3]  # layer 1 stays dense: mixed models are the norma
 def parity_worker(tp: int, pp: int, families: list[str], layouts: list[str]) -> dict[str, Any]:
     from deinfer_megatron.arch.model import arch_from_hf_config
     from deinfer_megatron.models.build import build_stage, load_weights
-    from deinfer_megatron.parallel import comm
     from deinfer_megatron.models.pipeline import stage_forward
+    from deinfer_megatron.parallel import comm
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
     from deinfer_megatron.specs.rank_config import RankConfig
 
@@ -45,7 +46,7 @@ def parity_worker(tp: int, pp: int, families: list[str], layouts: list[str]) -> 
             for layout in layouts:
                 if layout == "dense" and kv_heads < tp:
                     continue
-                stage = build_stage(arch, rank_config, layout, groups)
+                stage = build_stage(arch, rank_config, Layout(layout), groups)
                 load_weights(stage, state, rank_config)
                 with comm.recording() as ledger:
                     logits = stage_forward(stage, ids, pos)

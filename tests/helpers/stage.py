@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from deinfer_megatron.launch.run import run_on_ranks
+from deinfer_megatron.specs.layout import Layout
 
 
 def _logits(model: Path, ids: torch.Tensor, layout: str) -> torch.Tensor:
@@ -16,7 +17,7 @@ def _logits(model: Path, ids: torch.Tensor, layout: str) -> torch.Tensor:
 
     groups = init_parallel(1, 1)
     try:
-        stage = load_folder(model, layout, groups)
+        stage = load_folder(model, Layout(layout), groups)
         return stage_forward(stage, ids, torch.arange(ids.shape[1]).expand_as(ids))
     finally:
         shutdown()

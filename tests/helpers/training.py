@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deinfer_megatron.specs.layout import Layout
 from tests.helpers.parity import DECOMPOSED_LAYERS
 from tests.helpers.tiny_models import decompose_randomly, mixed_ranks, random_hf_model
 
@@ -193,7 +194,7 @@ def _one_size(tp: int, pp: int, families: list[str], layouts: list[str], steps: 
             ref = reference_gradients(c["dense"] if dense else c["factored"], ref_ranks, c["ids"], c["labels"])
             source_ranks = RankConfig.dense(arch) if dense else rank_config
 
-            stage = build_stage(arch, rank_config, layout, groups, dtype=torch.float64)
+            stage = build_stage(arch, rank_config, Layout(layout), groups, dtype=torch.float64)
             stage.model.double()  # Megatron's norms are built in float32 whatever the dtype
             load_weights(stage, c["dense_state"] if dense else c["state"], source_ranks)
             trainer = Trainer(stage, OptimizerConfig(**STEPS))

@@ -78,10 +78,11 @@ def test_launched_ranks_build_rank0s_plan(planted) -> None:
 
 def test_rank0s_error_reaches_every_rank(monkeypatch) -> None:
     """A plan rank 0 cannot price ends every rank with its message (one rank here)."""
-    from deinfer_megatron.launch.local import free_port, local_rank_env
-    from deinfer_megatron.planning.agree import agreed_plan, plan_on_rank0
-    from deinfer_megatron.specs.layout import Layout, LayoutPlan
     import torch.distributed as dist
+
+    from deinfer_megatron.launch.local import free_port, local_rank_env
+    from deinfer_megatron.runtime.agree import agreed_plan, plan_on_rank0
+    from deinfer_megatron.specs.layout import Layout, LayoutPlan
 
     for k, v in local_rank_env(0, 1, free_port()).items():
         monkeypatch.setenv(k, v)
@@ -92,9 +93,9 @@ def test_rank0s_error_reaches_every_rank(monkeypatch) -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         plan = LayoutPlan.uniform(Layout.NAIVE, 2)
-        assert agreed_plan(plan_on_rank0(lambda: plan), torch.device("cpu")) == plan
+        assert agreed_plan(plan_on_rank0(lambda: plan, 0), torch.device("cpu")) == plan
         with pytest.raises(RuntimeError, match="rank 0 could not choose a plan: no table here"):
-            agreed_plan(plan_on_rank0(fails), torch.device("cpu"))
+            agreed_plan(plan_on_rank0(fails, 0), torch.device("cpu"))
     finally:
         dist.destroy_process_group()
 
@@ -103,7 +104,7 @@ def test_serve_refuses_auto_in_one_line(tmp_path) -> None:
     """``serve`` keeps one layout for every batch its scheduler forms: a job built in Python with
     ``auto`` is refused before anything is read (its CLI offers the fixed layouts only)."""
     pytest.importorskip("fastapi")
-    from deinfer_megatron.generation.options import Parallelism
+    from deinfer_megatron.runtime.options import Parallelism
     from deinfer_megatron.serving.server import ServeJob, validate
 
     with pytest.raises(ValueError, match="serve takes a fixed --layout"):

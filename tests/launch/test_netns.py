@@ -153,7 +153,7 @@ def test_auto_across_namespaces_prices_the_jobs_own_link(tmp_path) -> None:
     # sent by each rank) passes its first 256 KiB in the tbf burst at most and the rest at
     # 125 MB/s. Not the fitted bandwidth alone: the line through two noisy medians can put it
     # above 1 Gbit/s (1.74 GB/s once, beside a 2.8 ms latency) while the times are the link's.
-    from deinfer_megatron.planning.agree import SIZES
+    from deinfer_megatron.runtime.agree import SIZES
 
     latency, bandwidth = link["all_reduce"]
     assert latency > 0 and latency + 4 * SIZES[1] / bandwidth >= (4 * SIZES[1] - 256 * 1024) / 125e6, link

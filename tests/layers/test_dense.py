@@ -23,10 +23,11 @@ def _cached_keys(folder: Path, ids: torch.Tensor) -> torch.Tensor:
     from deinfer_megatron.models.build import load_folder
     from deinfer_megatron.models.pipeline import stage_forward
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+    from deinfer_megatron.specs.layout import Layout
 
     groups = init_parallel(1, 1)
     try:
-        stage = load_folder(folder, "dense", groups)
+        stage = load_folder(folder, Layout.DENSE, groups)
         b, s = ids.shape
         context = GenerationContext(b, s + 1)
         with torch.no_grad():

@@ -26,10 +26,13 @@ def _block_classes(stage: Any) -> list[dict[str, str]]:
 
 def auto_worker() -> dict[str, Any]:
     from deinfer_megatron.arch.model import arch_from_hf_config
-    from deinfer_megatron.models.build import agreed_layout, build_stage, load_weights
+    import torch.distributed as dist
+
+    from deinfer_megatron.models.build import build_stage, load_weights
     from deinfer_megatron.models.pipeline import stage_forward
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
     from deinfer_megatron.planning.auto import Workload, choose_layouts
+    from deinfer_megatron.runtime.agree import agreed_plan, plan_on_rank0
     from deinfer_megatron.specs.layout import Layout, LayoutPlan
     from deinfer_megatron.specs.rank_config import RankConfig
     from tests.helpers.cost_tables import elements_only, params_only
@@ -67,9 +70,9 @@ def auto_worker() -> dict[str, Any]:
             out["results"][name]["vs_fixed"] = {
                 l.value: (logits[name] - logits[l.value]).abs().max().item() for l in Layout}
         out["logit_scale"] = ref.abs().max().item()
-        # each rank proposes its own plan; every rank builds global rank 0's
+        # each rank has a plan of its own; every rank builds global rank 0's (one broadcast)
         own = LayoutPlan.uniform(Layout.NAIVE if groups.tp_rank else Layout.DEINFER, arch.num_layers)
-        out["agreed"] = agreed_layout(LayoutPlan(own.layers), groups).to_json()
+        out["agreed"] = agreed_plan(plan_on_rank0(lambda: own, dist.get_rank()), groups.device).to_json()
     finally:
         shutdown()
     return out

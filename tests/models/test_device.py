@@ -20,6 +20,7 @@ def _where() -> dict[str, Any]:
     from deinfer_megatron.models.build import build_stage, load_weights
     from deinfer_megatron.models.pipeline import stage_forward
     from deinfer_megatron.parallel.runtime import init_parallel, job_device, shutdown
+    from deinfer_megatron.specs.layout import Layout
     from deinfer_megatron.specs.rank_config import RankConfig
     from tests.helpers.tiny_models import random_hf_model
 
@@ -28,7 +29,7 @@ def _where() -> dict[str, Any]:
     try:
         hf = random_hf_model("llama")
         arch = arch_from_hf_config(hf.config.to_dict())
-        stage = build_stage(arch, RankConfig.dense(arch), "dense", groups)
+        stage = build_stage(arch, RankConfig.dense(arch), Layout.DENSE, groups)
         load_weights(stage, hf.state_dict(), RankConfig.dense(arch))
         ids = torch.tensor([[3, 14, 15, 92]])
         logits = stage_forward(stage, ids, torch.arange(4).unsqueeze(0))

@@ -16,6 +16,7 @@ import pytest
 
 from deinfer_megatron.arch.model import arch_from_hf_config
 from deinfer_megatron.planning.plan import make_plan
+from deinfer_megatron.specs.layout import Layout
 from deinfer_megatron.specs.rank_config import RankConfig
 from tests.helpers.distributed import run_ranks
 from tests.helpers.parity import parity_worker
@@ -73,7 +74,7 @@ def test_every_layout_matches_the_multiplied_out_reference(tp: int, pp: int) -> 
         entries = [r["results"][key] for r in per_rank]
         ranks = entries[0]["ranks"]
         arch = arch_from_hf_config(TINY_CONFIGS[family])
-        plan = make_plan(arch, RankConfig.from_mapping(ranks, arch), layout, tp=tp, pp=pp)
+        plan = make_plan(arch, RankConfig.from_mapping(ranks, arch), Layout(layout), tp=tp, pp=pp)
 
         last = [e for e in entries if "max_abs_diff" in e]
         assert len(last) == tp, "every rank of the last stage returns the full logits"

@@ -20,6 +20,7 @@ import torch
 
 from deinfer_megatron.parallel import collectives, shm
 from deinfer_megatron.parallel.collectives import Collectives, GroupShape
+from deinfer_megatron.specs.layout import Layout
 from tests.helpers.distributed import run_ranks
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
@@ -78,7 +79,7 @@ def _logits_both_ways(groups: Any, transport: Any) -> dict[str, float]:
     tp_group = groups.pg_collection.tp
     out = {}
     for layout in ("deinfer", "naive", "dense"):
-        stage = build_stage(arch, rank_config, layout, groups)
+        stage = build_stage(arch, rank_config, Layout(layout), groups)
         load_weights(stage, state, rank_config)
         logits = {}
         for name, t in (("shm", transport), ("gloo", None)):

@@ -138,7 +138,7 @@ def test_calibration_models_split_at_every_tp_size(tp: int) -> None:
     split at ``tp`` in every layout, dense included (a KV head per rank), and their plans price;
     at TP 1, 2 and 4 they are the shapes every earlier table was measured on."""
     from deinfer_megatron.arch.model import transformer_config
-    from deinfer_megatron.models.build import check_parallel_sizes
+    from deinfer_megatron.parallel.topology import check_parallel_sizes
 
     configs = overhead.sizes(tp)
     assert len(configs) == 2

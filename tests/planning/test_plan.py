@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from deinfer_megatron.decompose.allocation import uniform_ranks
 from deinfer_megatron.arch.model import arch_from_hf_config
+from deinfer_megatron.decompose.allocation import uniform_ranks
 from deinfer_megatron.planning.plan import make_plan
+from deinfer_megatron.specs.layout import Layout
 from deinfer_megatron.specs.rank_config import RankConfig
 
 SMOLLM2 = dict(
@@ -26,12 +27,12 @@ def test_design_formulas_per_layer(smollm2) -> None:
     arch, ranks = smollm2
     h, kv, i = 576, 192, 1536
     r = ranks.layers[0]
-    naive = make_plan(arch, ranks, "naive", tp=3).layers[0]
+    naive = make_plan(arch, ranks, Layout.NAIVE, tp=3).layers[0]
     assert naive.collectives == 7
     assert naive.elements_per_token == 3 * h + 2 * kv + 2 * i  # DESIGN: ≈ 3h + 2kv + 2I
-    dense = make_plan(arch, ranks, "dense", tp=3).layers[0]
+    dense = make_plan(arch, ranks, Layout.DENSE, tp=3).layers[0]
     assert (dense.collectives, dense.elements_per_token) == (2, 2 * h)
-    deinfer = make_plan(arch, ranks, "deinfer", tp=3).layers[0]
+    deinfer = make_plan(arch, ranks, Layout.DEINFER, tp=3).layers[0]
     assert [k for k, _ in deinfer.collective_ops] == ["all_gather", "all_reduce", "all_gather", "all_reduce"]
     qkv = r.attention.q + r.attention.k + r.attention.v
     gu = sum(r.mlp.up_sections)
@@ -44,8 +45,8 @@ def test_kv_cache_bytes(smollm2) -> None:
     arch, ranks = smollm2
     r = ranks.layers[0].attention
     for tp in (1, 3, 9):
-        deinfer = make_plan(arch, ranks, "deinfer", tp=tp).layers[0].kv_bytes_per_token
-        naive = make_plan(arch, ranks, "naive", tp=tp).layers[0].kv_bytes_per_token
+        deinfer = make_plan(arch, ranks, Layout.DEINFER, tp=tp).layers[0].kv_bytes_per_token
+        naive = make_plan(arch, ranks, Layout.NAIVE, tp=tp).layers[0].kv_bytes_per_token
         kv_heads_local = max(1, 3 // tp)  # 3 KV heads, replicated when TP = 9
         assert deinfer["full"] == 2 * kv_heads_local * 64 * 4
         assert naive["full"] == 2 * 3 * 64 * 4  # naive keeps every head on every rank
@@ -54,7 +55,7 @@ def test_kv_cache_bytes(smollm2) -> None:
 
 def test_no_collectives_at_tp1_and_pipeline_totals(smollm2) -> None:
     arch, ranks = smollm2
-    plan = make_plan(arch, ranks, "deinfer", tp=1, pp=3, batch=4, seq=128)
+    plan = make_plan(arch, ranks, Layout.DEINFER, tp=1, pp=3, batch=4, seq=128)
     assert plan.totals["collectives_per_token"] == 0
     assert plan.stages == [(0, 10), (10, 20), (20, 30)]
     stage_params = plan.totals["params_per_stage_rank"]
@@ -72,12 +73,17 @@ def test_no_collectives_at_tp1_and_pipeline_totals(smollm2) -> None:
     ],
 )
 def test_bad_sizes(smollm2, tp: int, pp: int, layout: str, message: str) -> None:
+    """Sizes that do not split the model (``check_parallel_sizes``, the one check every command
+    makes), and a layout the planner cannot lay out at valid sizes."""
+    from deinfer_megatron.parallel.topology import check_parallel_sizes
+
     arch, ranks = smollm2
     with pytest.raises(ValueError, match=message):
-        make_plan(arch, ranks, layout, tp=tp, pp=pp)
+        check_parallel_sizes(arch, tp, pp)
+        make_plan(arch, ranks, Layout(layout), tp=tp, pp=pp)
 
 
 def test_decomposed_attention_replicates_kv_heads_past_their_count(smollm2) -> None:
     arch, ranks = smollm2
-    plan = make_plan(arch, ranks, "deinfer", tp=9)
+    plan = make_plan(arch, ranks, Layout.DEINFER, tp=9)
     assert plan.layers[0].collectives == 4

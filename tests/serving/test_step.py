@@ -56,12 +56,13 @@ def step_worker(folders: dict[str, str]) -> dict[str, Any]:
     from deinfer_megatron.generation.sampling import SamplingParams
     from deinfer_megatron.models.build import load_folder
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+    from deinfer_megatron.specs.layout import Layout
 
     groups = init_parallel(1, 1)
     out: dict[str, Any] = {}
     try:
         for family, folder in folders.items():
-            stage = load_folder(Path(folder), "deinfer", groups)
+            stage = load_folder(Path(folder), Layout.DEINFER, groups)
             for kind, absorb in (("full", True), ("latent", True), ("latent", False)):
                 out[f"{family}/{kind}/{absorb}"] = drive(stage, kind, absorb)
             sampled = SamplingParams(greedy=False, temperature=0.9, top_k=50, seed=11)

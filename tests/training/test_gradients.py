@@ -27,6 +27,7 @@ import pytest
 
 from deinfer_megatron.arch.model import arch_from_hf_config
 from deinfer_megatron.planning.plan import make_plan
+from deinfer_megatron.specs.layout import Layout
 from deinfer_megatron.specs.rank_config import RankConfig
 from tests.helpers.distributed import run_ranks
 from tests.helpers.tiny_models import TINY_CONFIGS
@@ -82,7 +83,7 @@ def test_backward_collectives_are_the_plans_training_column(tp: int, pp: int) ->
     for key, ranks in _entries(tp, pp).items():
         family, layout = key.split("/")
         arch = arch_from_hf_config(TINY_CONFIGS[family])
-        plan = make_plan(arch, RankConfig.from_mapping(ranks[0][1]["ranks"], arch), layout, tp=tp, pp=pp)
+        plan = make_plan(arch, RankConfig.from_mapping(ranks[0][1]["ranks"], arch), Layout(layout), tp=tp, pp=pp)
         per_stage = arch.num_layers // pp
         for rank, entry in ranks:
             offset = entry["layer_offset"]

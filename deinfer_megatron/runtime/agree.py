@@ -18,6 +18,7 @@ table's key names one host, not the set of hosts a group spans).
 
 Jobs whose ranks this process spawns itself (``launch.local``) resolve ``auto`` once in the
 parent, before the ranks start, and pass the plan down: they never reach this module's broadcast.
+A fixed layout needs no agreement: every rank builds the same uniform plan.
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
-from deinfer_megatron.specs.layout import AUTO, LayoutPlan
+from deinfer_megatron.parallel import comm
+from deinfer_megatron.parallel.topology import TPView
+from deinfer_megatron.planning.calibrate import CacheFlush, cold_median, line_through
+from deinfer_megatron.specs.layout import LayoutPlan
 
 log = logging.getLogger(__name__)
 SIZES = (64, 1 << 17)  # float32 elements of the measured collectives: the latency end, the bandwidth end
@@ -38,17 +42,11 @@ REPEATS = 15  # a fixed count, the same on every rank (a time budget would diffe
 Message = dict[str, Any]  # {"plan": LayoutPlan.to_json(), "name": its name} or {"error": one line}
 
 
-def needs_agreement(layout: Any) -> bool:
-    """``layout`` is still ``auto`` inside a rank: a launched job, resolved by ``agreed_plan``."""
-    return isinstance(layout, str) and layout == AUTO
-
-
-def plan_on_rank0(resolve: Callable[[], LayoutPlan]) -> Message | None:
+def plan_on_rank0(resolve: Callable[[], LayoutPlan], rank: int) -> Message | None:
     """Global rank 0's plan (``resolve()``) or its error as a message; None on the other ranks.
 
-    Reads ``RANK`` (exported from the launcher's variables before the job runs): it runs before
-    torch.distributed is initialised."""
-    if int(os.environ.get("RANK", "0")) != 0:
+    Runs before torch.distributed is initialised: ``rank`` is the launcher's (``launch.run``)."""
+    if rank != 0:
         return None
     try:
         plan = resolve()
@@ -62,10 +60,6 @@ def agreed_plan(mine: Message | None, device: torch.device) -> LayoutPlan:
 
     Raises:
         RuntimeError: rank 0 could not price a plan (its message, on every rank)."""
-    import torch.distributed as dist
-
-    from deinfer_megatron.parallel import comm
-
     source = json.dumps(mine).encode() if dist.get_rank() == 0 else None
     if dist.get_rank() == 0 and mine is None:
         raise AssertionError("global rank 0 prices the plan before the groups exist (plan_on_rank0)")
@@ -85,9 +79,6 @@ def measure_tp_collectives(tp: Any, device: torch.device) -> dict[str, list[floa
     a rate limiter let through at line rate — 190 MB/s "measured" on a 1 Gbit/s link), while a
     decode step pays the typical one, and a bench reports medians. On CPU each call follows a
     cache flush, as in the host table (``planning.calibrate``)."""
-    from deinfer_megatron.parallel import comm
-    from deinfer_megatron.planning.calibrate import CacheFlush, cold_median, line_through
-
     flush = CacheFlush() if device.type == "cpu" else None  # as the host table times them: cold
     typical: list[float] = []
     for kind in ("all_reduce", "all_gather"):
@@ -108,18 +99,16 @@ def measure_tp_collectives(tp: Any, device: torch.device) -> dict[str, list[floa
             for i, kind in enumerate(("all_reduce", "all_gather"))}
 
 
-def plan_in_job(price: Callable[[dict[str, list[float]]], LayoutPlan], first: Message | None,
+def plan_in_job(price: Callable[[dict[str, list[float]] | None], LayoutPlan], first: Message | None,
                 groups: Any) -> tuple[LayoutPlan, dict[str, list[float]] | None]:
-    """Rank 0's plan on every rank, priced with the TP group's own measured collectives; and
-    those rates (None at TP 1, where nothing is sent).
+    """Rank 0's plan on every rank — one broadcast — priced with the TP group's own measured
+    collectives; and those rates (None at TP 1, where nothing is sent).
 
     Args:
         price: on rank 0, the plan with these collective rates in place of the host table's.
         first: rank 0's ``plan_on_rank0`` message from before the groups existed (its host table,
             calibrated there if it had to be, is cached by then); None on the other ranks.
         groups: the job's ``ParallelGroups``."""
-    from deinfer_megatron.parallel.topology import TPView
-
     mine, link = first, None
     if groups.tp_size > 1:  # every rank measures, whatever rank 0's first answer was
         tp = TPView(groups.tp_rank, groups.tp_size, groups.pg_collection.tp)
@@ -127,5 +116,5 @@ def plan_in_job(price: Callable[[dict[str, list[float]]], LayoutPlan], first: Me
         if first is not None and "plan" in first and math.isfinite(link["all_reduce"][1]):
             log.info("--layout auto: the TP group's collectives, measured in the job: %s",
                      ", ".join(f"{k} {v[0] * 1e6:.0f} us + {v[1] / 1e9:.2f} GB/s" for k, v in link.items()))
-            mine = plan_on_rank0(lambda: price(link))
+            mine = plan_on_rank0(lambda: price(link), dist.get_rank())
     return agreed_plan(mine, groups.device), link

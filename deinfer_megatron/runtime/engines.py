@@ -1,4 +1,5 @@
-"""DeepSpeed-Inference around an already tensor-parallel stage (no re-sharding).
+"""The engine that drives a loaded stage: Megatron-Core's own forward, or DeepSpeed-Inference
+around the already tensor-parallel stage (no re-sharding).
 
 ``deepspeed.init_inference`` is given the Megatron TP group through an ``mpu`` adapter, so its
 engine knows the model is tensor-parallel, and an injection policy naming a class that never
@@ -15,7 +16,9 @@ import torch
 from torch import nn
 
 from deinfer_megatron import patches
+from deinfer_megatron.models.build import Stage
 from deinfer_megatron.parallel.runtime import ParallelGroups
+from deinfer_megatron.runtime.options import Engine
 
 
 class _NoSuchModule(nn.Module):
@@ -70,3 +73,11 @@ def wrap_with_deepspeed(model: nn.Module, groups: ParallelGroups, dtype: torch.d
     if engine.module is not model:
         raise AssertionError("DeepSpeed replaced the model instead of wrapping it")
     return engine
+
+
+def driven_by(engine: Engine, stage: Stage, dtype: torch.dtype) -> Stage:
+    """``stage`` as ``engine`` drives it: itself under Megatron, wrapped in DeepSpeed-Inference
+    otherwise (its forward calls then go through the engine: ``Stage.runner``)."""
+    if engine is Engine.MEGATRON:
+        return stage
+    return stage.with_runner(wrap_with_deepspeed(stage.model, stage.groups, dtype))

@@ -1,0 +1,80 @@
+"""How a job's model is placed and run: where its ranks run, its precision, what drives it.
+
+Each is parsed once where it enters (argparse, or a job built in Python) and then passed as a
+value: the layout request is a ``LayoutRequest``, the collectives a ``Collectives``, the
+precision a ``DType``, the engine an ``Engine``. The JSON a job reports keeps the plain names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from deinfer_megatron.parallel.collectives import Collectives
+from deinfer_megatron.planning.request import LayoutRequest
+from deinfer_megatron.specs.layout import Layout
+
+
+def _parse(enum: type[Enum], value: object, what: str) -> Enum:
+    try:
+        return enum(value)
+    except ValueError:
+        raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(m.value for m in enum)}") from None
+
+
+class Engine(str, Enum):
+    """What drives the stage: Megatron-Core's own forward, or DeepSpeed-Inference around it
+    (``runtime.engines``; generation is then driven through the DeepSpeed engine the same way)."""
+
+    MEGATRON = "megatron"
+    DEEPSPEED = "deepspeed"
+
+    @classmethod
+    def parse(cls, value: "str | Engine") -> "Engine":
+        return _parse(cls, value, "engine")  # type: ignore[return-value]
+
+
+class DType(str, Enum):
+    """The precision the weights are loaded and run in."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+    @classmethod
+    def parse(cls, value: "str | DType") -> "DType":
+        return _parse(cls, value, "dtype")  # type: ignore[return-value]
+
+    @property
+    def torch(self) -> torch.dtype:
+        return getattr(torch, self.value)
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch.itemsize
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """Tensor- and pipeline-parallel sizes, the layout asked for, and what carries the
+    tensor-parallel collectives (``parallel.collectives``: shared memory between the CPU ranks of
+    a node by default).
+
+    ``layout`` and ``collectives`` are parsed on construction (``LayoutRequest.parse``,
+    ``Collectives.parse``), so a job built in Python may name them (``layout="auto"``).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    layout: LayoutRequest = LayoutRequest(Layout.DEINFER)  # the commands' own defaults are their flags'
+    collectives: Collectives = Collectives.AUTO
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", LayoutRequest.parse(self.layout))
+        object.__setattr__(self, "collectives", Collectives.parse(self.collectives))
+
+    @property
+    def world(self) -> int:
+        """Ranks the job needs."""
+        return self.tp * self.pp
