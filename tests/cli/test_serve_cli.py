@@ -49,7 +49,7 @@ def test_bad_serve_input_is_one_line(folders) -> None:
 def test_the_port_is_held_before_the_ranks_join_and_a_busy_one_is_one_line(folders, monkeypatch) -> None:
     """The HTTP port is bound before gloo opens its sockets (which could take it while the model
     loads), released when the job ends, and a port in use is one line before any rank joins."""
-    from deinfer_megatron.parallel import runtime
+    from deinfer_megatron.runtime import job
 
     _, dec = folders
     port, seen = free_port(), {}
@@ -59,7 +59,7 @@ def test_the_port_is_held_before_the_ranks_join_and_a_busy_one_is_one_line(folde
             seen["listening"] = probe.connect_ex(("127.0.0.1", port)) == 0
         raise RuntimeError("the ranks would join here")
 
-    monkeypatch.setattr(runtime, "init_parallel", joined)
+    monkeypatch.setattr(job, "init_parallel", joined)  # where the runtime joins the groups
     assert "the ranks would join here" in one_line_error("serve", "--model", str(dec), "--port", str(port))
     assert seen == {"listening": True}
     with socket.socket() as busy:
