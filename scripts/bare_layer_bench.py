@@ -6,7 +6,7 @@ times): the reference the `bench` numbers are judged against.
 The issue that asked for the benchmark quoted "about 2.1x over naive and 1.5x over dense" for a
 bare single-layer implementation; this script is how we checked what such an implementation
 reaches on the machine at hand, so that a gap between `bench` and that figure can be told apart
-from overhead in the project's layers (docs/BENCHMARKS.md reports both side by side).
+from overhead in the project's layers (docs/bench/HISTORY.md reports both side by side).
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bare_layer_bench.py [--layers 4] [--batch 8]
         [--ctx 128] [--tp 2] [--ratio 0.6] [--rounds 2]

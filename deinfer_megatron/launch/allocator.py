@@ -7,7 +7,7 @@ pays that at every call: Megatron's unfused attention repeats K and V per query 
 rotates the whole cached key (67 MB a layer at batch 8 × 2048 tokens on llama-1b-shape TP=2).
 Measured on this project's machines: one pass over a 67 MB tensor 184 ms with the default,
 27 ms with the block kept in the heap (65 538 page faults a call against none); the dense
-layout's decode step at that size 1219 → 384 ms, DeInfer's 219 → 147 ms (docs/BENCHMARKS.md).
+layout's decode step at that size 1219 → 384 ms, DeInfer's 219 → 147 ms (docs/bench/HISTORY.md).
 Whether a process pays it otherwise depends on its heap's history — so the calibration that
 prices the layouts and the ranks that run them would disagree.
 
