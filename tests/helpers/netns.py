@@ -7,9 +7,14 @@ nothing the host already routes, brings up each namespace's loopback and, with `
 added delay; tbf shapes bandwidth only). Processes run inside a namespace see only its own
 loopback and veth end, so a job's traffic can go nowhere but to the other namespace.
 
+With ``names``, the two nodes also resolve each other by name, as a cluster's DNS would make them:
+``/etc/netns/<namespace>/hosts`` (the host's /etc/hosts plus the two names) is what ``ip netns
+exec`` mounts over /etc/hosts for everything it starts, so the host's own file is untouched.
+
 Clean-up is unconditional: the context manager deletes both namespaces (which removes the veth
-pair) on any exit, an ``atexit`` hook deletes whatever an interrupted run left, and the next
-call removes the namespaces of a run killed outright (``remove_stale``: names carry the pid).
+pair) and their /etc/netns folders (/etc/netns too, when it made it) on any exit, an ``atexit``
+hook deletes whatever an interrupted run left, and the next call removes the namespaces and
+folders of a run killed outright (``remove_stale``: names carry the pid).
 Processes started with ``TwoNodes.popen`` are stopped first (SIGTERM, then SIGKILL after 10 s).
 Root and the ``ip``/``tc`` tools are needed: ``unavailable()`` says why not, for ``pytest.skip``.
 """
@@ -31,6 +36,7 @@ from typing import Iterator, Sequence
 
 RATES = {"unlimited": None, "10gbit": "10gbit", "1gbit": "1gbit"}
 _LIVE: set[str] = set()  # namespaces this process created and has not deleted yet
+ETC_NETNS = Path("/etc/netns")  # per-namespace files that ``ip netns exec`` mounts over /etc
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -72,6 +78,7 @@ def _free_subnet() -> ipaddress.IPv4Network:
 
 def _delete(name: str) -> None:
     _ip("netns", "del", name, check=False)
+    shutil.rmtree(ETC_NETNS / name, ignore_errors=True)
     _LIVE.discard(name)
 
 
@@ -82,8 +89,9 @@ def remove_stale() -> list[str]:
     """Delete namespaces this helper made in a process that is gone (killed before its clean-up
     ran), after killing what still runs inside them; other namespaces are never touched."""
     removed = []
-    for line in _ip("netns", "list", check=False).stdout.splitlines():
-        name = line.split()[0] if line.split() else ""
+    listed = [line.split()[0] for line in _ip("netns", "list", check=False).stdout.splitlines() if line.split()]
+    files = [p.name for p in ETC_NETNS.iterdir()] if ETC_NETNS.is_dir() else []
+    for name in dict.fromkeys(listed + files):
         m = _NAME.match(name)
         if not m or Path(f"/proc/{m.group(1)}").exists():
             continue
@@ -141,8 +149,9 @@ class TwoNodes:
 
 
 @contextlib.contextmanager
-def two_nodes(rate: str | None = None) -> Iterator[TwoNodes]:
-    """Two namespaces joined by a veth pair (optionally rate-limited), removed on any exit."""
+def two_nodes(rate: str | None = None, names: tuple[str, str] | None = None) -> Iterator[TwoNodes]:
+    """Two namespaces joined by a veth pair (optionally rate-limited, and with ``names`` the
+    host names each resolves both nodes by), removed on any exit."""
     remove_stale()
     tag = f"dm{os.getpid()}-{uuid.uuid4().hex[:3]}"  # ≤ 14 characters with "v": device names allow 15
     ns = (f"{tag}a", f"{tag}b")
@@ -150,6 +159,7 @@ def two_nodes(rate: str | None = None) -> Iterator[TwoNodes]:
     net = _free_subnet()
     hosts = [str(h) for h in net.hosts()]
     nodes = TwoNodes(ns, dev, (hosts[0], hosts[1]))
+    made_etc_netns = False
     try:
         for name in ns:
             _ip("netns", "add", name)
@@ -161,6 +171,14 @@ def two_nodes(rate: str | None = None) -> Iterator[TwoNodes]:
             _ip("-n", ns[node], "link", "set", dev[node], "up")
         if rate:
             nodes.set_rate(rate)
+        if names:
+            made_etc_netns = not ETC_NETNS.exists()
+            known = Path("/etc/hosts").read_text() if Path("/etc/hosts").is_file() else ""
+            known += "\n" if known and not known.endswith("\n") else ""
+            known += "".join(f"{addr}\t{name}\n" for addr, name in zip(nodes.addr, names))
+            for name in ns:
+                (ETC_NETNS / name).mkdir(parents=True, exist_ok=True)
+                (ETC_NETNS / name / "hosts").write_text(known)
         yield nodes
     finally:
         for proc in reversed(nodes.procs):  # daemons get a moment to stop their own children
@@ -174,3 +192,6 @@ def two_nodes(rate: str | None = None) -> Iterator[TwoNodes]:
                 proc.wait()
         for name in ns:
             _delete(name)
+        if made_etc_netns:
+            with contextlib.suppress(OSError):  # another run may be using it now
+                ETC_NETNS.rmdir()

@@ -15,7 +15,11 @@ and a policy-rc.d during the install — so it is test infrastructure and lives 
     rc, out = run_sbatch("scripts/slurm/smoke.sbatch", "--ntasks=2", timeout=180)
 
 Jobs are submitted from the repo root (so ``$SLURM_SUBMIT_DIR`` is the repo)
-with ``DEINFER_REPO`` and ``DEINFER_PYTHON`` (this interpreter) exported.
+with ``DEINFER_REPO`` and ``DEINFER_PYTHON`` (this interpreter) exported, and without
+``MASTER_ADDR`` / ``MASTER_PORT``, which the tasks derive from Slurm's variables.
+
+Both test clusters (this one and ``two_nodes.py``'s) run one slurm.conf, ``slurm.conf.in``
+beside this file, filled by ``local_cluster.sh`` and ``fill_conf``.
 
 If ``ensure_cluster`` had to start the daemons, they are stopped again when
 the Python process exits, unless ``DEINFER_SLURM_KEEP=1`` or running under
@@ -37,6 +41,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 LOCAL_CLUSTER = Path(__file__).resolve().with_name("local_cluster.sh")
+CONF_TEMPLATE = Path(__file__).resolve().with_name("slurm.conf.in")
 SLURM_DIR = Path(os.environ.get("DEINFER_SLURM_DIR", "/var/spool/slurm-deinfer"))
 
 _REQUIRED_BINARIES = ("sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo",
@@ -75,6 +80,28 @@ def slurm_skip_reason() -> str | None:
 def slurm_available() -> bool:
     """True if we are root and either Slurm is installed or apt-get can install it."""
     return slurm_skip_reason() is None
+
+
+_PLACEHOLDER = re.compile(r"@([A-Z_]+)@")
+
+
+def fill_conf(**values: str) -> str:
+    """The test clusters' slurm.conf (``slurm.conf.in``) with every ``@NAME@`` replaced by
+    ``values[NAME]`` (which may span lines); a line holding only a placeholder whose value is
+    empty is left out. ``local_cluster.sh`` (``fill_template``) fills the same template by the
+    same rules for the single-node cluster, so both clusters run one configuration."""
+    template = CONF_TEMPLATE.read_text()
+    names = set(_PLACEHOLDER.findall(template))
+    if names != set(values):
+        raise ValueError(f"{CONF_TEMPLATE.name} needs values for exactly {sorted(names)}; "
+                         f"missing {sorted(names - set(values))}, unknown {sorted(set(values) - names)}")
+    lines = []
+    for line in template.splitlines(keepends=True):
+        alone = _PLACEHOLDER.fullmatch(line.rstrip("\n"))
+        if alone and values[alone.group(1)] == "":
+            continue
+        lines.append(_PLACEHOLDER.sub(lambda m: values[m.group(1)], line))
+    return "".join(lines)
 
 
 _lock = threading.Lock()
@@ -200,8 +227,9 @@ def run_sbatch(script: str | os.PathLike[str], *args: str, timeout: float = 300,
     fd, out_path = tempfile.mkstemp(prefix="deinfer-sbatch-", suffix=".out")
     os.close(fd)
     os.chmod(out_path, 0o666)
-    job_env = {**os.environ, "DEINFER_REPO": str(REPO_ROOT), "DEINFER_PYTHON": sys.executable,
-               **(env or {})}
+    # No MASTER_ADDR / MASTER_PORT from this process: the tasks derive them (launch/env.py).
+    job_env = {**{k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")},
+               "DEINFER_REPO": str(REPO_ROOT), "DEINFER_PYTHON": sys.executable, **(env or {})}
     # stdbuf -oL: sbatch prints "Submitted batch job N" before waiting; line
     # buffering lets us read the id even if we later have to kill sbatch.
     cmd = ["sbatch", "--wait", f"--output={out_path}", *args, str(script), *script_args]

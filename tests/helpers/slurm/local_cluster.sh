@@ -7,8 +7,9 @@
 #   tests/helpers/slurm/local_cluster.sh status   # sinfo (+ daemon pids)
 #   tests/helpers/slurm/local_cluster.sh restart
 #
-# Test infrastructure, not a user script: it rewrites /etc/slurm/slurm.conf, creates the munge
-# key, may append the hostname to /etc/hosts and add /usr/sbin/policy-rc.d while apt-get runs.
+# Test infrastructure, not a user script: it writes /etc/slurm/slurm.conf (from slurm.conf.in
+# beside it; never over one it did not write), creates the munge key, may append the hostname
+# to /etc/hosts and add /usr/sbin/policy-rc.d while apt-get runs.
 # tests/helpers/slurm (ensure_cluster) runs it for tests/launch/test_slurm.py.
 #
 # Must run as root. Does not use systemd (containers/VMs here have no init
@@ -27,7 +28,8 @@
 # Environment knobs:
 #   DEINFER_SLURM_DIR           see above
 #   DEINFER_SLURM_START_TIMEOUT seconds to wait for the node to become idle (default 60)
-#   DEINFER_SLURM_CPUS          CPUs advertised for the node (default: nproc).
+#   DEINFER_SLURM_CPUS          CPUs advertised for the node (default: nproc,
+#                               whatever OMP_NUM_THREADS says).
 #                               A value above nproc adds
 #                               SlurmdParameters=config_overrides so slurmd
 #                               accepts it; then jobs with up to that many tasks
@@ -44,6 +46,8 @@ SLURM_DIR="${DEINFER_SLURM_DIR:-/var/spool/slurm-deinfer}"
 START_TIMEOUT="${DEINFER_SLURM_START_TIMEOUT:-60}"
 CONF_DIR=/etc/slurm
 CONF="$CONF_DIR/slurm.conf"
+# The slurm.conf of both test clusters (this one and tests/helpers/slurm/two_nodes.py's).
+CONF_TEMPLATE="$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/slurm.conf.in"
 MUNGE_KEY=/etc/munge/munge.key
 MUNGE_RUN=/run/munge
 MUNGE_PID="$MUNGE_RUN/munged.pid"
@@ -168,10 +172,38 @@ start_munge() {
 }
 
 # ---------------------------------------------------------------- slurm.conf
+# fill_template FILE NAME=VALUE...: FILE with every @NAME@ replaced by its VALUE (which may span
+# lines); a line holding only a placeholder whose VALUE is empty is left out, and a placeholder
+# without a VALUE, or a NAME the template lacks, is an error. fill_conf in
+# tests/helpers/slurm/__init__.py fills the same template by the same rules for the two-node
+# cluster.
+fill_template() {
+    local -A value=()
+    local pair line name out=""
+    for pair in "${@:2}"; do
+        value["${pair%%=*}"]="${pair#*=}"
+        grep -qF "@${pair%%=*}@" "$1" || die "$1 has no @${pair%%=*}@"
+    done
+    while IFS= read -r line; do
+        if [[ "$line" =~ ^@([A-Z_]+)@$ ]] && [[ -v "value[${BASH_REMATCH[1]}]" ]] \
+           && [[ -z "${value[${BASH_REMATCH[1]}]}" ]]; then
+            continue
+        fi
+        for name in "${!value[@]}"; do
+            line="${line//"@$name@"/"${value[$name]}"}"
+        done
+        [[ ! "$line" =~ @[A-Z_]+@ ]] || die "$1: no value for ${BASH_REMATCH[0]}"
+        out+="$line"$'\n'
+    done <"$1"
+    printf '%s' "$out"
+}
+
 render_conf() {
-    local host ncpu cpus mem_mb real_mem overrides=""
+    local host ncpu cpus mem_mb real_mem overrides
     host="$(short_host)"
-    ncpu="$(nproc)"
+    # nproc honours OMP_NUM_THREADS (the test suite runs with 1): without it the conf would
+    # depend on the caller, and each caller in turn would rewrite it and restart the daemons.
+    ncpu="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
     cpus="${DEINFER_SLURM_CPUS:-$ncpu}"
     [[ "$cpus" =~ ^[1-9][0-9]*$ ]] || die "DEINFER_SLURM_CPUS must be a positive integer, got '$cpus'"
     if (( cpus > ncpu )); then
@@ -183,66 +215,35 @@ render_conf() {
     # Conservative: slurmd drains the node if RealMemory exceeds what it finds.
     real_mem=$(( mem_mb / 2 ))
     (( real_mem >= 1 )) || real_mem=1
-    cat <<EOF
-$MARKER
-# Single-node test cluster. Regenerated on every 'start'; edits are overwritten.
-ClusterName=deinfer
-SlurmctldHost=$host
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-MpiDefault=none
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-SwitchType=switch/none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-ReturnToService=2
-MailProg=/bin/true
-StateSaveLocation=$SLURM_DIR/state
-SlurmdSpoolDir=$SLURM_DIR/slurmd
-SlurmctldPidFile=$CTLD_PID
-SlurmdPidFile=$SLURMD_PID
-SlurmctldLogFile=$LOG_DIR/slurmctld.log
-SlurmdLogFile=$LOG_DIR/slurmd.log
-SlurmctldDebug=info
-SlurmdDebug=info
-SlurmctldTimeout=30
-SlurmdTimeout=30
-InactiveLimit=0
-# MinJobAge<=5 keeps 'sbatch --wait' polling every 2s; with the default 300 it
-# backs off 2s, 8s, 32s, ... so a 7s job returns after ~10s and a 17s one after 42s.
-MinJobAge=5
-KillWait=5
-Waittime=0
-$overrides
-NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$real_mem State=UNKNOWN
-# OverSubscribe=FORCE:4 lets up to 4 jobs share a core. A single job with more
-# tasks than CPUs additionally needs --overcommit (else it pends forever).
-PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
-EOF
+    fill_template "$CONF_TEMPLATE" \
+        "HEADER=$MARKER"$'\n'"# Single-node test cluster. Regenerated on every 'start'; edits are overwritten." \
+        "CLUSTER_NAME=deinfer" \
+        "CONTROLLER=$host" \
+        "AUTH_INFO=" \
+        "STATE_DIR=$SLURM_DIR/state" \
+        "SLURMD_SPOOL_DIR=$SLURM_DIR/slurmd" \
+        "SLURMCTLD_PID_FILE=$CTLD_PID" \
+        "SLURMD_PID_FILE=$SLURMD_PID" \
+        "SLURMCTLD_LOG_FILE=$LOG_DIR/slurmctld.log" \
+        "SLURMD_LOG_FILE=$LOG_DIR/slurmd.log" \
+        "SLURMD_PARAMETERS=$overrides" \
+        "NODES=NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$real_mem State=UNKNOWN" \
+        "NODE_NAMES=$host"
 }
 
-# Returns 0 if the conf on disk changed.
+# Returns 0 if the conf on disk changed. A conf without the marker is someone else's (a real
+# cluster's, or an admin's): it is never replaced.
 write_conf() {
     local tmp
+    if [[ -e "$CONF" ]] && ! grep -qF "$MARKER" "$CONF"; then
+        die "$CONF was not written by this script (no '$MARKER' line); move it away to run the test cluster on this host"
+    fi
     install -d -m 0755 "$CONF_DIR"
     tmp="$(mktemp)"
     render_conf >"$tmp"
     if [[ -f "$CONF" ]] && cmp -s "$tmp" "$CONF"; then
         rm -f "$tmp"
         return 1
-    fi
-    if [[ -f "$CONF" ]] && ! grep -qF "$MARKER" "$CONF"; then
-        local bak
-        bak="$CONF.bak.$(date +%Y%m%d%H%M%S)"
-        log "backing up foreign $CONF to $bak"
-        cp -p "$CONF" "$bak"
     fi
     install -m 0644 "$tmp" "$CONF"
     rm -f "$tmp"

@@ -8,9 +8,12 @@ shared, as on a real cluster) — so it neither touches nor needs the single-nod
 (``local_cluster.sh``) or /etc/slurm. Daemons run in the foreground as children of the test and
 are killed with the namespaces; the scratch folder is removed.
 
-Jobs are submitted inside namespace a with ``SLURM_CONF`` set. Tasks see ``MASTER_ADDR`` = a's
-veth address (generate.sbatch keeps a ``MASTER_ADDR`` it is given; the node names are not in
-DNS) and ``GLOO_SOCKET_IFNAME`` = the veth's name, which is the same in both namespaces.
+The configuration is the single-node cluster's template (``slurm.conf.in``, ``fill_conf``) filled
+for two nodes. Jobs are submitted inside namespace a with ``SLURM_CONF`` set, and no
+``MASTER_ADDR``: each task finds its master as on a real cluster (``launch/env.py``: the first
+node of the step, ``dma``, which both namespaces resolve to a's veth address through their own
+/etc/hosts, ``netns.two_nodes(names=...)``). ``GLOO_SOCKET_IFNAME`` is the veth's name, the same
+in both namespaces.
 """
 
 from __future__ import annotations
@@ -81,43 +84,25 @@ def _with_host_cgroups(argv: list[str]) -> list[str]:
 
 
 def _conf(root: Path, nodes: netns.TwoNodes) -> str:
+    from tests.helpers.slurm import fill_conf
+
     host = socket.gethostname().split(".")[0]  # slurmctld checks that it runs on SlurmctldHost
-    return f"""# two-node test cluster (tests/helpers/slurm/two_nodes.py)
-ClusterName=deinfer2n
-SlurmctldHost={host}({nodes.addr[0]})
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket={root}/munge/socket
-MpiDefault=none
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-SwitchType=switch/none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-ReturnToService=2
-MailProg=/bin/true
-StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool/%n
-SlurmctldPidFile={root}/run/slurmctld.pid
-SlurmdPidFile={root}/run/slurmd-%n.pid
-SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd-%n.log
-SlurmctldDebug=info
-SlurmdDebug=info
-InactiveLimit=0
-MinJobAge=5
-KillWait=5
-Waittime=0
-NodeName={NODES[0]} NodeAddr={nodes.addr[0]} CPUs={os.cpu_count()} RealMemory=1024 State=UNKNOWN
-NodeName={NODES[1]} NodeAddr={nodes.addr[1]} CPUs={os.cpu_count()} RealMemory=1024 State=UNKNOWN
-PartitionName=debug Nodes={NODES[0]},{NODES[1]} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
-"""
+    return fill_conf(
+        HEADER="# two-node test cluster (tests/helpers/slurm/two_nodes.py)",
+        CLUSTER_NAME="deinfer2n",
+        CONTROLLER=f"{host}({nodes.addr[0]})",
+        AUTH_INFO=f"AuthInfo=socket={root}/munge/socket",
+        STATE_DIR=f"{root}/state",
+        SLURMD_SPOOL_DIR=f"{root}/spool/%n",
+        SLURMCTLD_PID_FILE=f"{root}/run/slurmctld.pid",
+        SLURMD_PID_FILE=f"{root}/run/slurmd-%n.pid",
+        SLURMCTLD_LOG_FILE=f"{root}/log/slurmctld.log",
+        SLURMD_LOG_FILE=f"{root}/log/slurmd-%n.log",
+        SLURMD_PARAMETERS="",
+        NODES="\n".join(f"NodeName={name} NodeAddr={addr} CPUs={os.cpu_count()} RealMemory=1024 State=UNKNOWN"
+                         for name, addr in zip(NODES, nodes.addr)),
+        NODE_NAMES=",".join(NODES),
+    )
 
 
 @dataclass
@@ -127,9 +112,9 @@ class Cluster:
 
     @property
     def env(self) -> dict[str, str]:
-        return dict(os.environ, SLURM_CONF=str(self.root / "slurm.conf"), MASTER_ADDR=self.nodes.addr[0],
-                    GLOO_SOCKET_IFNAME=self.nodes.dev[0], DEINFER_REPO=str(REPO_ROOT),
-                    DEINFER_PYTHON=sys.executable, OMP_NUM_THREADS="1")
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+        return dict(env, SLURM_CONF=str(self.root / "slurm.conf"), GLOO_SOCKET_IFNAME=self.nodes.dev[0],
+                    DEINFER_REPO=str(REPO_ROOT), DEINFER_PYTHON=sys.executable, OMP_NUM_THREADS="1")
 
     def run(self, argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
         return self.nodes.run(0, argv, env=self.env, capture_output=True, text=True, timeout=timeout)
@@ -175,7 +160,7 @@ def two_node_cluster(rate: str | None = None, start_timeout: float = 60) -> Iter
     ensure_installed()
     root = Path(tempfile.mkdtemp(prefix="deinfer-slurm2n-"))
     try:
-        with netns.two_nodes(rate) as nodes:
+        with netns.two_nodes(rate, names=NODES) as nodes:
             os.chmod(root, 0o755)
             for sub in ("state", "run", "log", "munge", *(f"spool/{n}" for n in NODES)):
                 (root / sub).mkdir(parents=True, exist_ok=True)
