@@ -1,9 +1,11 @@
 """What the project needs to know about a Hugging Face model, read once from its config.
 
-``ModelArch`` is the single description of a supported architecture (LLaMA, Qwen2, OPT): sizes,
-norms, biases, positions, and the shapes of its linear matrices under Hugging Face names. It is
-turned into a Megatron ``TransformerConfig`` by ``transformer_config``; nothing else in the
-project reads a Hugging Face config.
+``ModelArch`` is the single description of a model: its family (a key of ``family.FAMILIES``,
+whose record says what differs between LLaMA, Qwen2 and OPT), sizes, norms, biases, positions,
+and the shapes of its linear matrices under Hugging Face names. It is turned into a Megatron
+``TransformerConfig`` by ``transformer_config``; nothing else in the project reads a Hugging
+Face config. Reading one refuses, in one line, every setting the project cannot serve
+(``refusals``), so a command stops before any rank starts.
 """
 
 from __future__ import annotations
@@ -14,16 +16,16 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 
-SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "opt": "OPTForCausalLM"}
+from deinfer_megatron.arch.family import FAMILIES, ModelFamily, family_for_model_type
+from deinfer_megatron.arch.refusals import refuse_unsupported, rope_theta
 
 
 @dataclass(frozen=True)
 class ModelArch:
     """A supported decoder-only architecture and its sizes."""
 
-    family: str  # "llama" | "qwen2" | "opt"
+    family: str  # the key of its record in family.FAMILIES
     num_layers: int
     hidden_size: int
     ffn_hidden_size: int
@@ -38,39 +40,44 @@ class ModelArch:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r}; known: {', '.join(FAMILIES)}")
+
+    @property
+    def model_family(self) -> ModelFamily:
+        """The record of this model's family: what its network computes, its Hugging Face names."""
+        return FAMILIES[self.family]
+
     @property
     def gated(self) -> bool:
-        return self.family != "opt"
+        return self.model_family.gated
 
     @property
     def rotary(self) -> bool:
         """Positions by RoPE (the LLaMA/Qwen2 families); OPT learns absolute positions."""
-        return self.family != "opt"
+        return self.model_family.rotary
 
     @property
     def qkv_bias(self) -> bool:
-        return self.family in ("qwen2", "opt")
+        return self.model_family.qkv_bias
 
     @property
     def linear_bias(self) -> bool:
-        return self.family == "opt"
+        return self.model_family.linear_bias
 
     @property
     def layer_prefix(self) -> str:
-        return "model.decoder.layers" if self.family == "opt" else "model.layers"
+        return self.model_family.layer_prefix
 
     def attention_modules(self, layer: int) -> dict[str, str]:
         """Role (q, k, v, o) → Hugging Face module name."""
-        base = f"{self.layer_prefix}.{layer}.self_attn"
-        o = "out_proj" if self.family == "opt" else "o_proj"
-        return {"q": f"{base}.q_proj", "k": f"{base}.k_proj", "v": f"{base}.v_proj", "o": f"{base}.{o}"}
+        return {role: f"{self.layer_prefix}.{layer}.{name}" for role, name in self.model_family.attention_names}
 
     def mlp_modules(self, layer: int) -> dict[str, str]:
-        """Role (gate, up, down — or fc1, fc2 for OPT) → Hugging Face module name."""
-        base = f"{self.layer_prefix}.{layer}"
-        if self.family == "opt":
-            return {"fc1": f"{base}.fc1", "fc2": f"{base}.fc2"}
-        return {r: f"{base}.mlp.{r}_proj" for r in ("gate", "up", "down")}
+        """Role (gate, up, down — or fc1, fc2 for OPT) → Hugging Face module name; the projections
+        reading the layer's input first, the output projection last."""
+        return {role: f"{self.layer_prefix}.{layer}.{name}" for role, name in self.model_family.mlp_names}
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """Every decomposable matrix: Hugging Face module name → (out, in)."""
@@ -85,21 +92,11 @@ class ModelArch:
         return out
 
 
-def _get(cfg: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
-    for k in keys:
-        if cfg.get(k) is not None:
-            return cfg[k]
-    return default
-
-
-def _rope_theta(cfg: Mapping[str, Any]) -> float:
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    scaling = params.get("rope_type", params.get("type", "default"))
-    if scaling not in ("default", None):
-        raise ValueError(
-            f"RoPE scaling '{scaling}' is not supported; only plain RoPE (rope_type 'default')"
-        )
-    return float(_get(cfg, "rope_theta", default=params.get("rope_theta", 10000.0)))
+def _get(cfg: Mapping[str, Any], key: str | None, default: Any = None) -> Any:
+    """``cfg[key]`` unless the family has no such key or it is absent or null."""
+    if key is None or cfg.get(key) is None:
+        return default
+    return cfg[key]
 
 
 def _check_sizes(arch: "ModelArch") -> "ModelArch":
@@ -113,63 +110,49 @@ def _check_sizes(arch: "ModelArch") -> "ModelArch":
     return arch
 
 
-def arch_from_hf_config(cfg: Mapping[str, Any]) -> ModelArch:
-    """Read a Hugging Face ``config.json`` mapping; unsupported architectures are a clear error."""
-    return _check_sizes(_arch_from_hf_config(cfg))
+def arch_from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> ModelArch:
+    """Read a Hugging Face ``config.json`` mapping (``source`` names it in errors).
+
+    Raises:
+        ValueError: one line — an unsupported ``model_type`` (listing the supported ones), a
+            setting the project cannot serve (``refusals``), a missing key or a bad size.
+    """
+    try:
+        return _arch_from_hf_config(cfg)
+    except KeyError as err:
+        raise ValueError(f"{source} lacks {err.args[0]!r}, which a {cfg.get('model_type')} config needs") from None
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
 
 
 def _arch_from_hf_config(cfg: Mapping[str, Any]) -> ModelArch:
-    family = cfg.get("model_type")
-    if family not in SUPPORTED:
-        raise ValueError(
-            f"unsupported architecture model_type={family!r}; supported: "
-            + ", ".join(f"{k} ({v})" for k, v in SUPPORTED.items())
-        )
-    if family == "opt":
-        if cfg.get("word_embed_proj_dim", cfg["hidden_size"]) != cfg["hidden_size"]:
-            raise ValueError("OPT models with word_embed_proj_dim != hidden_size are not supported")
-        if not cfg.get("do_layer_norm_before", True):
-            raise ValueError("OPT models with post-layer-norm (do_layer_norm_before=false) are not supported")
-        if cfg.get("activation_function", "relu") != "relu":
-            raise ValueError("only ReLU OPT models are supported")
-        heads = cfg["num_attention_heads"]
-        return ModelArch(
-            family="opt",
-            num_layers=cfg["num_hidden_layers"],
-            hidden_size=cfg["hidden_size"],
-            ffn_hidden_size=cfg["ffn_dim"],
-            num_heads=heads,
-            num_kv_heads=heads,
-            head_dim=cfg["hidden_size"] // heads,
-            vocab_size=cfg["vocab_size"],
-            max_positions=cfg["max_position_embeddings"],
-            norm_eps=1e-5,
-            rope_theta=0.0,
-            tied_embeddings=cfg.get("tie_word_embeddings", True),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=cfg.get("eos_token_id"),
-        )
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"only SiLU-gated MLPs are supported, got hidden_act={cfg.get('hidden_act')}")
-    if family == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
-        raise ValueError("LLaMA models with attention_bias/mlp_bias are not supported")
-    heads = cfg["num_attention_heads"]
-    return ModelArch(
-        family=family,
+    fam = family_for_model_type(cfg.get("model_type"))
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    max_positions = _get(cfg, "max_position_embeddings", fam.max_positions_default)
+    if max_positions is None:
+        raise KeyError("max_position_embeddings")
+    arch = _check_sizes(ModelArch(
+        family=fam.name,
         num_layers=cfg["num_hidden_layers"],
-        hidden_size=cfg["hidden_size"],
-        ffn_hidden_size=cfg["intermediate_size"],
+        hidden_size=hidden,
+        ffn_hidden_size=cfg[fam.ffn_key],
         num_heads=heads,
-        num_kv_heads=_get(cfg, "num_key_value_heads", default=heads),
-        head_dim=_get(cfg, "head_dim", default=cfg["hidden_size"] // heads),
+        num_kv_heads=_get(cfg, fam.kv_heads_key, heads),
+        head_dim=_get(cfg, fam.head_dim_key, hidden // heads if _positive(heads) and _positive(hidden) else None),
         vocab_size=cfg["vocab_size"],
-        max_positions=cfg.get("max_position_embeddings", 2048),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(cfg),
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_positions=max_positions,
+        norm_eps=float(_get(cfg, fam.norm_eps_key, fam.norm_eps_default)),
+        rope_theta=rope_theta(cfg) if fam.rotary else 0.0,
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", fam.tied_default)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=cfg.get("eos_token_id"),
-    )
+    ))
+    refuse_unsupported(fam, cfg, arch.max_positions)
+    return arch
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def load_arch(model_dir: str | Path) -> ModelArch:
@@ -187,12 +170,7 @@ def load_arch(model_dir: str | Path) -> ModelArch:
         raise ValueError(f"{path} is not valid JSON: {err}") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{path} must hold a JSON object (a Hugging Face model config)")
-    try:
-        return arch_from_hf_config(cfg)
-    except KeyError as err:
-        raise ValueError(f"{path} lacks {err.args[0]!r}, which a {cfg.get('model_type')} config needs") from None
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
+    return arch_from_hf_config(cfg, source=str(path))
 
 
 def transformer_config(
@@ -205,7 +183,7 @@ def transformer_config(
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    opt = arch.family == "opt"
+    fam = arch.model_family
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -215,10 +193,10 @@ def transformer_config(
         kv_channels=arch.head_dim,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        normalization="LayerNorm" if opt else "RMSNorm",
+        normalization=fam.norm,
         layernorm_epsilon=arch.norm_eps,
         gated_linear_unit=arch.gated,
-        activation_func=F.relu if opt else F.silu,
+        activation_func=fam.activation_func,
         add_bias_linear=arch.linear_bias,
         add_qkv_bias=arch.qkv_bias,
         hidden_dropout=0.0,

@@ -5,6 +5,9 @@ A dense Hugging Face matrix is ``<module>.weight``; a decomposed one is ``<modul
 to one of our parameters and a *shard id*: which piece of a fused parameter it fills (q/k/v of
 Megatron's fused QKV, gate/up of a gated fc1, or a section of a merged factor). The parameter's
 own ``weight_loader`` knows where that piece goes on this rank.
+
+The tables are keyed by a family's ``ModelFamily.hf_names`` (Qwen2 uses LLaMA's names); the
+projections' module names come from the family record itself (``ModelArch.attention_modules``).
 """
 
 from __future__ import annotations
@@ -12,10 +15,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from deinfer_megatron.arch.family import ModelFamily
 from deinfer_megatron.arch.model import ModelArch
 from deinfer_megatron.specs.rank_config import RankConfig
 
-# Global (not per-layer) parameters: Hugging Face name → ours.
+# Global (not per-layer) parameters: Hugging Face name → ours, by ``ModelFamily.hf_names``.
 _GLOBAL = {
     "llama": {
         "model.embed_tokens.weight": "embedding.word_embeddings.weight",
@@ -30,9 +34,8 @@ _GLOBAL = {
         "lm_head.weight": "output_layer.weight",
     },
 }
-_GLOBAL["qwen2"] = _GLOBAL["llama"]
 
-# Per-layer norms: suffix after "<layer prefix>.<i>." → ours after "decoder.layers.<i>.".
+# Per-layer norms: suffix after "<layer prefix>.<i>." → ours after "decoder.layers.<i>.", by ``hf_names``.
 _NORMS = {
     "llama": {
         "input_layernorm.weight": "input_layernorm.weight",
@@ -45,7 +48,12 @@ _NORMS = {
         "final_layer_norm.bias": "pre_mlp_layernorm.bias",
     },
 }
-_NORMS["qwen2"] = _NORMS["llama"]
+
+# Our global parameters that other modules look up by their role (``hf_global_name``).
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+OUTPUT_LAYER = "output_layer.weight"
 
 # Per-matrix targets: role → {suffix: (our name, shard id)} for dense and decomposed blocks.
 _QKV_INDEX = {"q": 0, "k": 1, "v": 2}
@@ -99,7 +107,7 @@ class NameMap:
 
     def target(self, hf_name: str) -> Target | None:
         """The target of ``hf_name``, or None when the name is not part of the model."""
-        glob = _GLOBAL[self.arch.family].get(hf_name)
+        glob = global_names(self.arch.model_family).get(hf_name)
         if glob is not None:
             return Target(glob, None, None)
         m = self._layer_re.match(hf_name)
@@ -108,7 +116,7 @@ class NameMap:
         layer, rest = int(m.group(1)), m.group(2)
         if layer >= self.arch.num_layers:
             return None
-        norm = _NORMS[self.arch.family].get(rest)
+        norm = norm_names(self.arch.model_family).get(rest)
         if norm is not None:
             return Target(f"decoder.layers.{layer}.{norm}", None, layer)
         module, _, suffix = hf_name.rpartition(".")
@@ -138,17 +146,18 @@ def expected_shapes(arch: ModelArch, rank_config: RankConfig) -> dict[str, tuple
     """Every Hugging Face tensor of the model → ``(shape, required)``, as config.json and the
     rank config imply. Decomposed matrices appear as ``.u`` (out × r) and ``.v`` (r × in); a
     tied output layer (``lm_head.weight``) may be absent."""
-    h = arch.hidden_size
+    h, fam = arch.hidden_size, arch.model_family
     out: dict[str, tuple[tuple[int, ...], bool]] = {}
-    for name in _GLOBAL[arch.family]:
-        out[name] = ((h,), True)
+    for name, ours in global_names(fam).items():
+        if ours == POSITION_EMBEDDINGS:  # learned positions, after the family's offset rows
+            out[name] = ((arch.max_positions + fam.position_offset, h), True)
+        else:
+            out[name] = ((h,), True)
     out[embedding_name(arch)] = ((arch.vocab_size, h), True)
     out["lm_head.weight"] = ((arch.vocab_size, h), not arch.tied_embeddings)
-    if arch.family == "opt":
-        out["model.decoder.embed_positions.weight"] = ((arch.max_positions + 2, h), True)
     shapes = arch.linear_shapes()
     for layer in range(arch.num_layers):
-        for suffix in _NORMS[arch.family]:
+        for suffix in norm_names(fam):
             out[f"{arch.layer_prefix}.{layer}.{suffix}"] = ((h,), True)
         roles = {**arch.attention_modules(layer), **arch.mlp_modules(layer)}
         for role, module in roles.items():
@@ -164,6 +173,23 @@ def expected_shapes(arch: ModelArch, rank_config: RankConfig) -> dict[str, tuple
     return out
 
 
+def global_names(family: ModelFamily) -> dict[str, str]:
+    """The family's global tensors: Hugging Face name → ours."""
+    return _GLOBAL[family.hf_names]
+
+
+def norm_names(family: ModelFamily) -> dict[str, str]:
+    """The family's per-layer norm tensors: suffix after ``<layer prefix>.<i>.`` → ours."""
+    return _NORMS[family.hf_names]
+
+
+def hf_global_name(family: ModelFamily, ours: str) -> str | None:
+    """The Hugging Face name of our global parameter ``ours`` in ``family``; None if it has none."""
+    return next((hf for hf, o in global_names(family).items() if o == ours), None)
+
+
 def embedding_name(arch: ModelArch) -> str:
     """The Hugging Face name of the token embedding (also the tied output layer's weight)."""
-    return "model.decoder.embed_tokens.weight" if arch.family == "opt" else "model.embed_tokens.weight"
+    name = hf_global_name(arch.model_family, WORD_EMBEDDINGS)
+    assert name is not None, f"hf_names has no token embedding for {arch.family}"
+    return name

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from deinfer_megatron.arch.family import FAMILIES, ModelFamily
 from deinfer_megatron.arch.model import ModelArch
 
 SUPPORTED = (
@@ -134,7 +135,7 @@ def arch_from_megatron_args(args: Any, vocab_size: int, where: Path) -> ModelArc
     if max_positions is None:
         raise ValueError(f"the args saved in {where} give neither max_position_embeddings nor seq_length")
     return ModelArch(
-        family="qwen2" if getattr(args, "add_qkv_bias", False) else "llama",
+        family=_family(bool(getattr(args, "add_qkv_bias", False))).name,
         num_layers=int(args.num_layers),
         hidden_size=int(args.hidden_size),
         ffn_hidden_size=int(args.ffn_hidden_size),
@@ -149,28 +150,37 @@ def arch_from_megatron_args(args: Any, vocab_size: int, where: Path) -> ModelArc
     )
 
 
+def _family(qkv_bias: bool) -> ModelFamily:
+    """The registry's family of a Megatron GPT model that ``_unsupported`` let through (RMSNorm,
+    SwiGLU, RoPE, no linear biases), told apart by its QKV bias: LLaMA or Qwen2."""
+    for fam in FAMILIES.values():
+        if (fam.norm, fam.gated, fam.rotary, fam.linear_bias, fam.qkv_bias) == ("RMSNorm", True, True, False, qkv_bias):
+            return fam
+    raise AssertionError(f"no registered family is a Megatron GPT model with qkv_bias={qkv_bias}")
+
+
 def hf_config(arch: ModelArch) -> dict[str, Any]:
-    """The Hugging Face ``config.json`` of ``arch`` (LLaMA or Qwen2), float32 weights."""
+    """The Hugging Face ``config.json`` of ``arch`` (LLaMA or Qwen2: the families Megatron args
+    describe), float32 weights."""
+    fam = arch.model_family
+    assert fam.kv_heads_key and fam.head_dim_key and fam.norm_eps_key, f"{fam.name} is not a Megatron GPT family"
     cfg: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if arch.family == "qwen2" else "LlamaForCausalLM"],
-        "model_type": arch.family,
+        "architectures": [fam.hf_class],
+        "model_type": fam.model_types[0],
         "hidden_size": arch.hidden_size,
-        "intermediate_size": arch.ffn_hidden_size,
+        fam.ffn_key: arch.ffn_hidden_size,
         "num_hidden_layers": arch.num_layers,
         "num_attention_heads": arch.num_heads,
-        "num_key_value_heads": arch.num_kv_heads,
-        "head_dim": arch.head_dim,
+        fam.kv_heads_key: arch.num_kv_heads,
+        fam.head_dim_key: arch.head_dim,
         "vocab_size": arch.vocab_size,
         "max_position_embeddings": arch.max_positions,
-        "rms_norm_eps": arch.norm_eps,
+        fam.norm_eps_key: arch.norm_eps,
         "rope_theta": arch.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": arch.rope_theta},
         "tie_word_embeddings": arch.tied_embeddings,
-        "hidden_act": "silu",
+        fam.activation_key: fam.activation,
         "torch_dtype": "float32",
     }
-    if arch.family == "qwen2":
-        cfg.update(use_sliding_window=False)
-    else:
-        cfg.update(attention_bias=False, mlp_bias=False)
+    cfg.update(fam.config_extras)
     return cfg

@@ -19,12 +19,13 @@ from typing import Mapping
 
 import torch
 
+from deinfer_megatron.arch.family import FAMILIES, OPT
 from deinfer_megatron.arch.model import ModelArch
 from deinfer_megatron.checkpoints.hf_names import NameMap, embedding_name, expected_shapes
 from deinfer_megatron.parallel.topology import Span
 from deinfer_megatron.specs.rank_config import RankConfig
 
-OPT_POSITION_OFFSET = 2  # OPT's learned positions start at row 2 of embed_positions
+OPT_POSITION_OFFSET = OPT.position_offset  # rows before position 0 of OPT's table (loader.py, dist_names.py)
 
 Pieces = list[tuple[slice, slice]]  # (rows of our parameter, rows of the Hugging Face tensor)
 
@@ -62,8 +63,14 @@ def _dense_pieces(arch: ModelArch, shard: object) -> Pieces | None:
 
 
 def _check_family(arch: ModelArch) -> None:
-    if arch.family == "opt":  # its position table has two more rows on the Hugging Face side
-        raise ValueError("dense Megatron state dicts of OPT models are not supported; only LLaMA/Qwen2")
+    """Megatron's learned position table starts at position 0: a family whose Hugging Face table
+    keeps offset rows in front has no lossless dense Megatron state dict."""
+    fam = arch.model_family
+    if fam.position_offset:
+        served = "/".join(f.title for f in FAMILIES.values() if not f.position_offset)
+        raise ValueError(f"dense Megatron state dicts of {fam.title} models are not supported (Megatron's "
+                         f"position table lacks the {fam.position_offset} offset rows Hugging Face keeps); "
+                         f"only {served}")
 
 
 def _our_sources(arch: ModelArch) -> dict[str, list[tuple[str, object]]]:

@@ -76,9 +76,10 @@ def _to_megatron(job: ConvertJob) -> Path:
                          "(convert it with --to hf for a model folder)")
     folder = open_model(job.model, verify=job.verify)  # manifest and shapes, before any rank starts
     arch = folder.arch
-    if arch.family == "opt":
-        raise ValueError("OPT models cannot be converted losslessly: Megatron's learned position table lacks "
-                         "the two offset rows Hugging Face keeps; serve the folder as it is")
+    fam = arch.model_family
+    if fam.position_offset:
+        raise ValueError(f"{fam.title} models cannot be converted losslessly: Megatron's learned position table "
+                         f"lacks the {fam.position_offset} offset rows Hugging Face keeps; serve the folder as it is")
     tp, pp = job.tp or 1, job.pp or 1
     check_parallel_sizes(arch, tp, pp)
     _claim(job)

@@ -17,6 +17,8 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
+from deinfer_megatron.arch.family import family_for_model_type
+from deinfer_megatron.checkpoints.hf_names import FINAL_NORM, POSITION_EMBEDDINGS, WORD_EMBEDDINGS, hf_global_name
 from deinfer_megatron.files.text import read_text
 
 
@@ -126,22 +128,28 @@ def self_dialogues(model: nn.Module, tokenizer: Any, *, n: int, seq_len: int, se
 
 
 class LayerRunner:
-    """Runs the decoder layers of a LLaMA/Qwen2/OPT ``*ForCausalLM`` one at a time."""
+    """Runs the decoder layers of a Hugging Face ``*ForCausalLM`` one at a time; its family's
+    record (from ``model_type``) and the name table say where the embeddings, positions, layers
+    and final norm are."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.opt = model.config.model_type == "opt"
-        self.core = model.model.decoder if self.opt else model.model
+        self.family = family_for_model_type(model.config.model_type)
+        self.core = model.get_submodule(self.family.decoder_prefix)
         self.layers: Sequence[nn.Module] = self.core.layers
+        self.embed_tokens = model.get_submodule(_module(hf_global_name(self.family, WORD_EMBEDDINGS)))
+        self.norm = model.get_submodule(_module(hf_global_name(self.family, FINAL_NORM)))
+        positions = hf_global_name(self.family, POSITION_EMBEDDINGS)
+        self.positions = None if positions is None else model.get_parameter(positions)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.core.embed_tokens(ids)
-        if self.opt:  # learned positions, offset 2 as in OPTLearnedPositionalEmbedding
-            hidden = hidden + self.core.embed_positions.weight[torch.arange(ids.shape[1]) + 2]
+        hidden = self.embed_tokens(ids)
+        if self.positions is not None:  # learned positions, after the family's offset rows
+            hidden = hidden + self.positions[torch.arange(ids.shape[1]) + self.family.position_offset]
         return hidden
 
     def _kwargs(self, hidden: torch.Tensor) -> dict[str, Any]:
-        if self.opt:
+        if not self.family.rotary:
             return {}
         pos = torch.arange(hidden.shape[1]).unsqueeze(0)
         return {"position_ids": pos, "position_embeddings": self.core.rotary_emb(hidden, pos)}
@@ -152,8 +160,12 @@ class LayerRunner:
         return out[0] if isinstance(out, tuple) else out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        norm = self.core.final_layer_norm if self.opt else self.core.norm
-        return self.model.lm_head(norm(hidden))
+        return self.model.lm_head(self.norm(hidden))
+
+
+def _module(hf_name: str | None) -> str:
+    assert hf_name is not None, "the name table lacks a global tensor every family has"
+    return hf_name.rpartition(".")[0]
 
 
 @contextmanager

@@ -45,11 +45,10 @@ class Plan:
 
 
 def _groups(arch: ModelArch, layer: int) -> list[list[str]]:
-    """Matrices of one layer that read the same input, in the order the layer runs them."""
-    attn, mlp = arch.attention_modules(layer), arch.mlp_modules(layer)
-    if arch.family == "opt":
-        return [[attn["q"], attn["k"], attn["v"]], [attn["o"]], [mlp["fc1"]], [mlp["fc2"]]]
-    return [[attn["q"], attn["k"], attn["v"]], [attn["o"]], [mlp["gate"], mlp["up"]], [mlp["down"]]]
+    """Matrices of one layer that read the same input, in the order the layer runs them: q/k/v,
+    o, the MLP's input projections (gate and up, or fc1), its output projection."""
+    attn, mlp = arch.attention_modules(layer), list(arch.mlp_modules(layer).values())
+    return [[attn["q"], attn["k"], attn["v"]], [attn["o"]], mlp[:-1], mlp[-1:]]
 
 
 def _scaling(method: str, stats: InputStats | None, alpha: float = ASVD_ALPHA) -> Scaling:

@@ -1,5 +1,6 @@
 """LLaMA-shaped models with random weights, so that sizes that matter can be run and timed
-without a download (``--synthetic NAME``), plus random low-rank factors for them.
+without a download (``--synthetic NAME``), plus random weights and low-rank factors for the
+architecture of any family (``random_state``).
 
 The ``*-shape`` models have the layer shapes of LLaMA-1B/7B-class models but only a few layers
 and a 4096-token vocabulary: the benchmark compares the cost of a layer in each layout, and with
@@ -17,6 +18,8 @@ from typing import Any, Mapping
 import torch
 
 from deinfer_megatron.arch.model import ModelArch, arch_from_hf_config
+from deinfer_megatron.checkpoints.hf_names import (OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS, global_names,
+                                                   norm_names)
 
 _LLAMA = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0,
               tie_word_embeddings=False, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
@@ -46,24 +49,32 @@ def synthetic_arch(name: str) -> ModelArch:
 
 def random_state(arch: ModelArch, ranks: Mapping[str, int], seed: int = 0,
                  dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """A Hugging Face-named state dict: dense ``.weight`` for plain matrices, random ``.u``/``.v``
-    for the matrices in ``ranks`` (their product has the scale of a dense init)."""
-    if arch.family != "llama":
-        raise ValueError("synthetic models are LLaMA-shaped")
+    """A Hugging Face-named state dict of ``arch``'s family: dense ``.weight`` for plain matrices,
+    random ``.u``/``.v`` for the matrices in ``ranks`` (their product has the scale of a dense
+    init), norms at one, biases at zero; the names come from ``checkpoints.hf_names``."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape: int, std: float) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * std).to(dtype)
 
-    h = arch.hidden_size
-    state = {
-        "model.embed_tokens.weight": randn(arch.vocab_size, h, std=1.0),
-        "model.norm.weight": torch.ones(h, dtype=dtype),
-        "lm_head.weight": randn(arch.vocab_size, h, std=h**-0.5),
-    }
+    fam, h = arch.model_family, arch.hidden_size
+    state: dict[str, torch.Tensor] = {}
+    for name, ours in global_names(fam).items():
+        if ours == WORD_EMBEDDINGS:
+            state[name] = randn(arch.vocab_size, h, std=1.0)
+        elif ours == POSITION_EMBEDDINGS:
+            state[name] = randn(arch.max_positions + fam.position_offset, h, std=1.0)
+        elif ours == OUTPUT_LAYER:
+            state[name] = randn(arch.vocab_size, h, std=h**-0.5)
+        else:  # the final norm
+            state[name] = (torch.zeros if name.endswith(".bias") else torch.ones)(h, dtype=dtype)
     for layer in range(arch.num_layers):
-        state[f"model.layers.{layer}.input_layernorm.weight"] = torch.ones(h, dtype=dtype)
-        state[f"model.layers.{layer}.post_attention_layernorm.weight"] = torch.ones(h, dtype=dtype)
+        for suffix in norm_names(fam):
+            fill = torch.zeros if suffix.endswith(".bias") else torch.ones
+            state[f"{arch.layer_prefix}.{layer}.{suffix}"] = fill(h, dtype=dtype)
+    biased = {name for layer in range(arch.num_layers)
+              for role, name in {**arch.attention_modules(layer), **arch.mlp_modules(layer)}.items()
+              if arch.linear_bias or (arch.qkv_bias and role in ("q", "k", "v"))}
     for name, (m, n) in arch.linear_shapes().items():
         if name in ranks:
             r = ranks[name]
@@ -71,4 +82,6 @@ def random_state(arch: ModelArch, ranks: Mapping[str, int], seed: int = 0,
             state[f"{name}.v"] = randn(r, n, std=n**-0.5)
         else:
             state[f"{name}.weight"] = randn(m, n, std=n**-0.5)
+        if name in biased:
+            state[f"{name}.bias"] = torch.zeros(m, dtype=dtype)
     return state

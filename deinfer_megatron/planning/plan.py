@@ -107,7 +107,7 @@ def block_costs(config: Any, blocks: BlockLayouts, attn: AttentionRanks | None,
 
 
 def _norm_params(arch: ModelArch) -> int:
-    return 2 * arch.hidden_size * (2 if arch.family == "opt" else 1)
+    return 2 * arch.hidden_size * (2 if arch.model_family.norm_bias else 1)
 
 
 def _rank_names(arch: ModelArch, rank_config: RankConfig, index: int) -> dict[str, int]:
@@ -197,9 +197,9 @@ def _edge_params(arch: ModelArch, tp: int, pp: int, stage: int) -> int:
     vocab_rows = -(-arch.vocab_size // tp)
     params = 0
     if stage == 0:
-        params += vocab_rows * h + (arch.max_positions * h if arch.family == "opt" else 0)
+        params += vocab_rows * h + (0 if arch.rotary else arch.max_positions * h)  # learned positions
     if stage == pp - 1:
-        params += h * (2 if arch.family == "opt" else 1)
+        params += h * (2 if arch.model_family.norm_bias else 1)
         if not (arch.tied_embeddings and pp == 1):
             params += vocab_rows * h
     return params

@@ -13,8 +13,12 @@ import re
 
 import pytest
 
+from deinfer_megatron.arch.family import FAMILIES as FAMILIES_REGISTRY
 from deinfer_megatron.arch.model import arch_from_hf_config
-from deinfer_megatron.checkpoints.hf_names import NameMap, Target, expected_shapes
+from deinfer_megatron.checkpoints.hf_names import (
+    FINAL_NORM, OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS, NameMap, Target, expected_shapes, global_names,
+    norm_names,
+)
 from deinfer_megatron.specs.rank_config import RankConfig
 from tests.helpers.distributed import run_ranks
 from tests.helpers.tiny_models import TINY_CONFIGS, decompose_randomly, mixed_ranks, random_hf_model
@@ -179,3 +183,15 @@ def test_expected_shapes_are_the_shapes_transformers_gives(family, decomposed) -
     if family == "opt":
         rows = TINY_CONFIGS["opt"]["max_position_embeddings"] + 2  # OPT's position offset
         assert shapes["model.decoder.embed_positions.weight"][0] == (rows, arch.hidden_size)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES_REGISTRY))
+def test_every_registered_family_has_its_name_table_entries(family) -> None:
+    """A record's ``hf_names`` key has global and norm tables, with a token embedding, a final
+    norm and an output layer, and a learned position table exactly when positions are learned."""
+    fam = FAMILIES_REGISTRY[family]
+    ours = set(global_names(fam).values())
+    assert {WORD_EMBEDDINGS, FINAL_NORM, OUTPUT_LAYER} <= ours
+    assert (POSITION_EMBEDDINGS in ours) == (not fam.rotary)
+    assert norm_names(fam), family
+    assert all(n.endswith(".weight") for n in norm_names(fam)) == (not fam.norm_bias)

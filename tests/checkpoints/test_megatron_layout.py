@@ -94,3 +94,13 @@ def test_missing_and_unexplained_tensors_are_errors() -> None:
         megatron_to_hf(short, arch)
     with pytest.raises(ValueError, match="not tensors of this llama model"):
         hf_to_megatron({**sd, "model.layers.0.mlp.extra.weight": torch.zeros(1)}, arch)
+
+
+def test_a_family_with_offset_position_rows_is_refused_in_one_line() -> None:
+    hf = random_hf_model("opt")
+    arch = arch_from_hf_config(hf.config.to_dict())
+    for convert in (hf_to_megatron, megatron_to_hf):
+        with pytest.raises(ValueError) as err:
+            convert(dict(hf.state_dict()), arch)
+        assert str(err.value) == ("dense Megatron state dicts of OPT models are not supported (Megatron's position "
+                                  "table lacks the 2 offset rows Hugging Face keeps); only LLaMA/Qwen2")
