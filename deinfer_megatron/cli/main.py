@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import signal
 import sys
 import warnings
 from typing import Any, Sequence
+
+from deinfer_megatron.launch.env import detect
 
 COMMANDS = ("fetch_cmd", "decompose_cmd", "plan_cmd", "eval_cmd", "generate_cmd", "demo_cmd", "bench_cmd",
             "convert_cmd", "serve_cmd", "loadgen_cmd",
@@ -50,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def setup_logging(verbose: bool) -> None:
     """Rank 0 logs at INFO; other ranks only warnings, so multi-rank output stays readable."""
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    launched = detect()
+    rank = launched.rank if launched is not None else 0
     level = logging.DEBUG if verbose else (logging.INFO if rank == 0 else logging.WARNING)
     logging.basicConfig(level=level, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from deinfer_megatron.arch.model import ModelArch
+from deinfer_megatron.launch.env import detect
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.planning.plan import make_plan
 from deinfer_megatron.specs.layout import Layout, LayoutPlan
@@ -63,6 +64,15 @@ def available_bytes() -> int | None:
     return avail
 
 
+def ranks_on_this_machine(world: int) -> int:
+    """Ranks of a ``world``-rank job sharing this machine: what its launcher says (torchrun's
+    and Slurm's tasks per node, ``launch.env``), else all of them (ranks this command spawns)."""
+    launched = detect()
+    if launched is not None and launched.local_world_size:
+        return launched.local_world_size
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
 @dataclass(frozen=True)
 class Footprint:
     """What a job holds besides the weights: its KV cache and the largest forward.
@@ -88,9 +98,8 @@ class MemoryBudget:
     """Whether a job's plan fits this machine: weights + KV cache + the largest forward's
     activations per rank, times the ranks sharing the machine, against what it has available.
 
-    ``ranks_here``: ranks sharing this machine (default: ``LOCAL_WORLD_SIZE`` under a launcher
-    that sets it, else all ``tp × pp``); ``available``: bytes (default: what the machine has when
-    asked, ``available_bytes``)."""
+    ``ranks_here``: ranks sharing this machine (default: ``ranks_on_this_machine``);
+    ``available``: bytes (default: what the machine has when asked, ``available_bytes``)."""
 
     arch: ModelArch
     rank_config: RankConfig
@@ -110,7 +119,7 @@ class MemoryBudget:
         kv = plan.totals["kv_bytes_per_token"][CacheKind.parse(f.kv_cache).value]
         acts = activation_bytes(plan.totals, f.prefill_rows, f.context, self.dtype_bytes, f.logit_rows)
         per_rank = plan.totals["params_per_rank"] * self.dtype_bytes + kv * f.kv_tokens + acts
-        here = self.ranks_here or int(os.environ.get("LOCAL_WORLD_SIZE", self.tp * self.pp))
+        here = self.ranks_here or ranks_on_this_machine(self.tp * self.pp)
         return per_rank * here, per_rank, acts, here
 
     def fits(self, layout: Layout | LayoutPlan) -> bool:
