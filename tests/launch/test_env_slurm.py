@@ -131,7 +131,8 @@ def test_a_step_without_its_job_id_says_what_is_missing() -> None:
 
 def test_export_writes_torch_distributed_variables(monkeypatch) -> None:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # records the variable's state, so that what export() writes is undone
+        monkeypatch.delenv(name)
     detect(STEP).export()
     assert {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                                        "MASTER_ADDR", "MASTER_PORT")} == {
