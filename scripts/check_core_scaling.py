@@ -38,7 +38,7 @@ from deinfer_megatron.arch.model import transformer_config
 from deinfer_megatron.decompose.allocation import uniform_ranks
 from deinfer_megatron.models.synthetic import synthetic_arch
 from deinfer_megatron.parallel.topology import TPView
-from deinfer_megatron.planning.auto import layout_costs, output_gemm
+from deinfer_megatron.planning.pricing import layout_costs, output_gemm
 from deinfer_megatron.planning.calibrate import _product
 from deinfer_megatron.specs.layout import Layout
 from deinfer_megatron.specs.rank_config import RankConfig

@@ -24,7 +24,7 @@ from deinfer_megatron.arch.model import transformer_config
 from deinfer_megatron.decompose.allocation import uniform_ranks
 from deinfer_megatron.models.synthetic import synthetic_arch
 from deinfer_megatron.parallel.topology import TPView
-from deinfer_megatron.planning.auto import Workload, gemm_seconds, layout_costs, output_gemm, required_gemms
+from deinfer_megatron.planning.pricing import Workload, gemm_seconds, layout_costs, output_gemm, required_gemms
 from deinfer_megatron.planning.calibrate import _product
 from deinfer_megatron.planning.cost_model import CostTable, TableKey, with_shapes
 from deinfer_megatron.specs.layout import Layout

@@ -68,3 +68,76 @@ def test_the_checker_sees_local_and_relative_imports(tmp_path) -> None:
     finally:
         probe.unlink()
     assert found == ["deinfer_megatron.cli", "deinfer_megatron.generation"]
+
+
+def _import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module → the project's modules it imports (module-level and function-local alike): a
+    ``from package import module`` names the module, ``from module import name`` the module."""
+    modules = {".".join(["deinfer_megatron", *p.relative_to(root).with_suffix("").parts]).removesuffix(".__init__"): p
+               for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        here = name.split(".") + (["__init__"] if path.name == "__init__.py" else [])
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(here[: len(here) - node.level] + ([node.module] if node.module else [])) \
+                    if node.level else (node.module or "")
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            for target in targets:
+                while target not in modules and "." in target:
+                    target = target.rsplit(".", 1)[0]
+                if target in modules and target != name and not name.startswith(target + "."):
+                    out.add(target)
+        graph[name] = out
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles() -> None:
+    """No two modules import each other, directly or around a circle: each can be read and
+    loaded after what it imports (a circle is what function-local imports used to hide)."""
+    assert not _cycles(_import_graph()), _cycles(_import_graph())
+
+
+def test_the_circle_check_finds_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [["a", "b", "c"]]

@@ -15,24 +15,23 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from deinfer_megatron.bench.measure import CellJob, check_lengths, measure_cell
-from deinfer_megatron.bench.records import Cell, CellRecord, CellStatus, PlanTotals, RankMeasurement
+from deinfer_megatron.bench.records import Cell, CellRecord, CellStatus, Peer, PlanTotals, RankMeasurement, first_line
 from deinfer_megatron.bench.sources import ModelSource
+from deinfer_megatron.decompose.allocation import check_ratio
 from deinfer_megatron.generation.prefill import DEFAULT_MAX_PREFILL_TOKENS, check_max_tokens
 from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.models.synthetic import synthetic_config
 from deinfer_megatron.parallel.collectives import Collectives
 from deinfer_megatron.parallel.topology import check_parallel_sizes
 from deinfer_megatron.planning.plan import make_plan
 from deinfer_megatron.planning.request import LayoutRequest, choices
 from deinfer_megatron.runtime.job import Prepared, prepare, run_prepared
 from deinfer_megatron.runtime.options import Parallelism
-
-if TYPE_CHECKING:
-    from deinfer_megatron.bench.peers import Peer
 
 LAYOUTS: tuple[LayoutRequest, ...] = tuple(LayoutRequest.parse(name) for name in choices())  # auto first
 KV_CACHES: tuple[CacheKind, ...] = tuple(CacheKind)
@@ -111,8 +110,6 @@ def check_config(cfg: BenchConfig) -> None:
     if (grid.model is None) == (grid.synthetic is None):
         raise ValueError("give exactly one of --model DIR or --synthetic NAME")
     if grid.synthetic is not None:
-        from deinfer_megatron.decompose.allocation import check_ratio
-        from deinfer_megatron.models.synthetic import synthetic_config
 
         synthetic_config(grid.synthetic)  # unknown name → names the choices
         check_ratio(grid.ratio)
@@ -191,11 +188,6 @@ def plan_totals(prepared: Prepared) -> PlanTotals:
                       tuple(tuple(op) for layer in plan.layers for op in layer.collective_ops))
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
-
-
 def run_cell(prepared: Prepared, grid: BenchGrid) -> list[RankMeasurement]:
     """Run a prepared cell in fresh local ranks; every rank's measurements, by rank."""
     return run_prepared(prepared, measure_cell, timeout=grid.cell_timeout_s)
@@ -237,7 +229,7 @@ def run_matrix(grid: BenchGrid, cells: list[PreparedCell], runner: Runner = run_
         try:
             ranks = runner(prepared, grid)
         except Exception as err:  # noqa: BLE001 - a failed cell is data; the matrix goes on
-            records.append(CellRecord(**head, status=CellStatus.ERROR, plan=plan, error=_first_line(err),
+            records.append(CellRecord(**head, status=CellStatus.ERROR, plan=plan, error=first_line(err),
                                       wall_s=time.perf_counter() - start))
             continue
         records.append(CellRecord(**head, status=CellStatus.OK, plan=plan, wall_s=time.perf_counter() - start,

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from deinfer_megatron.arch.model import ModelArch
+from deinfer_megatron.bench.profile import profile_run
 from deinfer_megatron.bench.records import DecodeStepComm, RankMeasurement, Sample
 from deinfer_megatron.generation.context import GenerationContext, describe
 from deinfer_megatron.generation.loop import generate_tokens
@@ -28,7 +29,8 @@ from deinfer_megatron.generation.prefill import DEFAULT_MAX_PREFILL_TOKENS, larg
 from deinfer_megatron.generation.sampling import SamplingParams
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.parallel import comm
-from deinfer_megatron.planning.auto import Workload
+from deinfer_megatron.parallel.topology import TPView
+from deinfer_megatron.planning.pricing import Workload
 from deinfer_megatron.planning.preflight import Footprint
 from deinfer_megatron.runtime.job import RankContext
 from deinfer_megatron.runtime.options import DType, Engine, Parallelism
@@ -187,8 +189,6 @@ def measure_cell(ctx: RankContext) -> list[RankMeasurement] | None:
     samples = tuple(_one_run(stage, job, context, record=False)[0] for _ in range(job.repeats))
     profile = None
     if job.profile:
-        from deinfer_megatron.bench.profile import profile_run
-        from deinfer_megatron.parallel.topology import TPView
 
         profile = profile_run(stage, job, context, TPView.of(ctx.groups.pg_collection.tp))
     cache = describe(context)

@@ -27,8 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from deinfer_megatron import patches
 from deinfer_megatron.bench.measure import peak_rss_bytes, reset_peak_rss
 from deinfer_megatron.bench.records import PeerMeasurement, Sample
+from deinfer_megatron.models.hf_factored import hf_model
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,6 @@ def _measure(job: PeerJob, rank: int, load: Any) -> PeerMeasurement:
 
 def hf_worker(job: PeerJob) -> PeerMeasurement:
     """The Hugging Face peer: factor pairs as ``nn.Linear``s, one process."""
-    from deinfer_megatron.models.hf_factored import hf_model
 
     _pin(job, 0)
 
@@ -121,8 +122,6 @@ def hf_worker(job: PeerJob) -> PeerMeasurement:
 
 def deepspeed_worker(job: PeerJob) -> PeerMeasurement:
     """The DeepSpeed peer on this rank: AutoTP over ``tp`` gloo ranks, the dense model."""
-    from deinfer_megatron import patches
-    from deinfer_megatron.models.hf_factored import hf_model
 
     rank = int(os.environ.get("RANK", "0"))
     _pin(job, rank)

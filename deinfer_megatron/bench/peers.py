@@ -19,21 +19,22 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from enum import Enum
 from typing import Callable
 
-from deinfer_megatron.bench.matrix import BenchGrid, _first_line, random_prompts
-from deinfer_megatron.bench.records import CellRecord, CellStatus, PeerMeasurement, PeerRatio, PeerRecord, PeerSummary
+from deinfer_megatron.bench.matrix import BenchGrid, random_prompts
+from deinfer_megatron.bench.peer_worker import PeerJob, deepspeed_worker, hf_worker
+from deinfer_megatron.bench.records import (
+    CellRecord,
+    CellStatus,
+    Peer,
+    PeerMeasurement,
+    PeerRatio,
+    PeerRecord,
+    PeerSummary,
+    first_line,
+)
 from deinfer_megatron.bench.sources import ModelSource
-
-
-class Peer(str, Enum):
-    HF = "hf"
-    DEEPSPEED = "deepspeed"
-
-    @classmethod
-    def parse(cls, text: str) -> "Peer":
-        return cls(text)
+from deinfer_megatron.launch.local import spawn_local
 
 
 def shape(peer: Peer, tp: int) -> tuple[int, int]:
@@ -51,8 +52,6 @@ def skip_reason(peer: Peer, tp: int, source: ModelSource) -> str | None:
 
 
 def _job(peer: Peer, tp: int, batch: int, prompt_len: int, source: ModelSource, grid: BenchGrid):
-    from deinfer_megatron.bench.peer_worker import PeerJob
-
     _, threads = shape(peer, tp)
     folder = source.dense_dir if peer is Peer.DEEPSPEED else (source.decomposed_dir or source.dense_dir)
     cpus = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
@@ -63,8 +62,6 @@ def _job(peer: Peer, tp: int, batch: int, prompt_len: int, source: ModelSource, 
 def run_peer(peer: Peer, tp: int, batch: int, prompt_len: int, source: ModelSource,
              grid: BenchGrid) -> list[PeerMeasurement]:
     """Run ``peer`` in fresh processes; every process's measurements, by rank."""
-    from deinfer_megatron.bench.peer_worker import deepspeed_worker, hf_worker
-    from deinfer_megatron.launch.local import spawn_local
 
     processes, _ = shape(peer, tp)
     worker = hf_worker if peer is Peer.HF else deepspeed_worker
@@ -97,7 +94,7 @@ def run_peers(grid: BenchGrid, source: ModelSource, runner: PeerRunner = run_pee
         try:
             ranks = runner(peer, tp, batch, ctx, source, grid)
         except Exception as err:  # noqa: BLE001 - a failed peer is data; the run goes on
-            records.append(PeerRecord(**head, status=CellStatus.ERROR, error=_first_line(err),
+            records.append(PeerRecord(**head, status=CellStatus.ERROR, error=first_line(err),
                                       wall_s=time.perf_counter() - start))
             continue
         records.append(summarize(PeerRecord(**head, status=CellStatus.OK, wall_s=time.perf_counter() - start,

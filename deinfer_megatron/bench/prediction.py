@@ -14,6 +14,8 @@ from typing import Any
 
 from deinfer_megatron.bench.records import CellRecord, Prediction
 from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.planning.auto import auto_plan, table_for
+from deinfer_megatron.planning.pricing import Workload, choose_layouts
 from deinfer_megatron.specs.layout import LayoutPlan
 
 
@@ -40,8 +42,6 @@ def predicted_parts(arch: Any, rank_config: Any, work: Any, table: Any, plan: An
     with and without that term (the same formulas, ``planning.auto``)."""
     from dataclasses import replace
 
-    from deinfer_megatron.planning.auto import choose_layouts
-
     free = {k: [0.0, 1e30] for k in ("all_reduce", "all_gather")}
     whole = plan_seconds(choose_layouts(arch, rank_config, work, table), plan)
     no_fixed = replace(table, overhead={})
@@ -56,8 +56,6 @@ def predict(rec: CellRecord, source: Any, table: Any = None,
     ``collectives``: the rates of the link the cell ran over, in place of the table's
     (``BenchGrid.collectives``)."""
     from dataclasses import replace
-
-    from deinfer_megatron.planning.auto import Workload, auto_plan, table_for
 
     assert rec.summary is not None, "predict a summarised cell"
     cell = rec.cell

@@ -30,6 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from deinfer_megatron.bench.records import CellRecord
+from deinfer_megatron.generation.loop import generate_tokens
+from deinfer_megatron.generation.sampling import SamplingParams
+from deinfer_megatron.parallel import comm
 
 GEMM_OPS = frozenset({
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mv", "aten::addmv", "aten::matmul",
@@ -109,8 +112,6 @@ class ProfileProbe:
     def _begin(self) -> None:
         import torch
 
-        from deinfer_megatron.parallel import comm
-
         self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         self._prof.__enter__()
         self._open = True
@@ -136,8 +137,6 @@ class ProfileProbe:
 
 def profile_run(stage: Any, job: Any, context: Any, tp: Any) -> RankProfile:
     """Generate once more (as the timed runs do) and profile its first decode step."""
-    from deinfer_megatron.generation.loop import generate_tokens
-    from deinfer_megatron.generation.sampling import SamplingParams
 
     probe = ProfileProbe(job.batch, tp)
     try:

@@ -23,6 +23,23 @@ class CellStatus(str, Enum):
     ERROR = "error"  # failed; the matrix went on
 
 
+class Peer(str, Enum):
+    """Another implementation timed beside the cells (``bench.peers``)."""
+
+    HF = "hf"
+    DEEPSPEED = "deepspeed"
+
+    @classmethod
+    def parse(cls, text: str) -> "Peer":
+        return cls(text)
+
+
+def first_line(err: BaseException) -> str:
+    """A failed cell's or peer's error as recorded: its type and the first line of its message."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
 @dataclass(frozen=True)
 class Cell:
     """One point of the grid: (layout, KV cache, TP, batch, prompt length)."""

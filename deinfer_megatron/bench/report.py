@@ -11,13 +11,12 @@ written atomically (temp + rename).
 
 from __future__ import annotations
 
-import os
 import statistics
-import tempfile
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
+from deinfer_megatron.bench import prediction, profile, roofline
+from deinfer_megatron.bench.peers import ratios
 from deinfer_megatron.bench.records import (CellRecord, CellStatus, Comparison, PeerRatio, PeerRecord, Speedups,
                                             Summary)
 from deinfer_megatron.layers.kv_cache import CacheKind
@@ -111,24 +110,10 @@ class BenchDocument:
 def document(cfg: Any, source: Any, records: list[CellRecord], machine: dict[str, Any] | None,
              host: dict[str, Any], peers: list[PeerRecord] | tuple[PeerRecord, ...] = ()) -> BenchDocument:
     """The report of a finished matrix (summarised records; speed-ups and peer ratios are computed here)."""
-    from deinfer_megatron.bench.peers import ratios
 
     cells, rows = compare(records)
     return BenchDocument(host, cfg.to_json(), source.describe(), tuple(cells), tuple(rows), machine,
                          tuple(peers), tuple(ratios(cells, peers)))
-
-
-def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write ``path`` through a temporary sibling and a rename: readers never see half a file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent or Path("."), prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _mb(n: int | None) -> str:
@@ -251,13 +236,11 @@ def markdown(doc: BenchDocument) -> str:
         lines += ["", "## Roofline", "", f"Copy bandwidth {machine['copy_gbps']:.2f} GB/s (read + write); "
                   f"GEMM GFLOP/s (1 thread) {gemm}.", ""]
         lines += [f"- {line}" for line in roofline_lines(doc.cells)]
-        from deinfer_megatron.bench import roofline
 
         table = roofline.transport_table(machine)
         if table:
             lines += ["", f"Collective latency per element count (float32, 2 ranks, µs per call, best of 3 rounds): "
                       f"the installed transport ({machine['comm_transport']}) against gloo.", "", table.rstrip("\n")]
-    from deinfer_megatron.bench import prediction, profile
 
     lines += prediction.markdown_lines(doc.cells) + profile.markdown_lines(doc.cells)
     return "\n".join(lines) + "\n"

@@ -31,7 +31,11 @@ from typing import Any
 import torch
 
 from deinfer_megatron.bench.records import CellRecord, StepBound
+from deinfer_megatron.bench.transports import markdown
+from deinfer_megatron.launch.local import spawn_local
 from deinfer_megatron.parallel import comm
+from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+from deinfer_megatron.parallel.topology import TPView
 
 COMM_SIZES = tuple(4**k for k in range(11))  # 1 .. 1,048,576 elements
 
@@ -97,8 +101,6 @@ def _latency_curves(tp: Any, sizes: RooflineSizes) -> dict[str, dict[str, float]
 
 def machine_worker(sizes: RooflineSizes) -> dict[str, Any] | None:
     """Runs on each of 2 ranks; rank 0 returns the measurements."""
-    from deinfer_megatron.parallel.runtime import init_parallel, shutdown
-    from deinfer_megatron.parallel.topology import TPView
 
     torch.set_num_threads(1)
     groups = init_parallel(2, 1)
@@ -126,8 +128,6 @@ def machine_worker(sizes: RooflineSizes) -> dict[str, Any] | None:
 
 
 def measure_machine(sizes: RooflineSizes) -> dict[str, Any]:
-    from deinfer_megatron.launch.local import spawn_local
-
     result = spawn_local(2, machine_worker, sizes)[0]
     result["copy_bytes"] = sizes.copy_bytes
     return result
@@ -136,7 +136,6 @@ def measure_machine(sizes: RooflineSizes) -> dict[str, Any]:
 def transport_table(machine: dict[str, Any]) -> str | None:
     """Markdown: µs per collective and element count, the installed transport against gloo
     (None when gloo itself was installed, or for a document written before gloo was measured)."""
-    from deinfer_megatron.bench.transports import markdown
 
     if not machine.get("gloo_latency_s"):
         return None

@@ -30,7 +30,7 @@ from deinfer_megatron.generation.context import GenerationContext
 from deinfer_megatron.generation.loop import generate_tokens
 from deinfer_megatron.generation.sampling import SamplingParams
 from deinfer_megatron.layers.kv_cache import CacheKind
-from deinfer_megatron.planning.auto import Workload
+from deinfer_megatron.planning.pricing import Workload
 from deinfer_megatron.planning.preflight import Footprint
 from deinfer_megatron.runtime.job import RankContext, run_job
 from deinfer_megatron.runtime.options import DType, Engine, Parallelism

@@ -19,8 +19,11 @@ from pathlib import Path
 
 import torch
 
-from deinfer_megatron.arch.model import ModelArch
+from deinfer_megatron.arch.model import ModelArch, arch_from_hf_config
+from deinfer_megatron.checkpoints.folder import open_model, write_decomposed
+from deinfer_megatron.decompose.allocation import uniform_ranks
 from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.models.synthetic import random_state, synthetic_config
 from deinfer_megatron.planning.request import LayoutRequest
 from deinfer_megatron.specs.layout import LayoutPlan, latent_cache_layouts
 from deinfer_megatron.specs.rank_config import RankConfig
@@ -72,7 +75,6 @@ class ModelSource:
 
 def folder_source(path: Path) -> ModelSource:
     """A real model folder (manifest verified here, once; the ranks skip the check)."""
-    from deinfer_megatron.checkpoints.folder import open_model
 
     folder = open_model(path)
     return ModelSource(str(path), folder.arch, folder.rank_config,
@@ -88,10 +90,6 @@ def _multiplied_out(state: dict[str, torch.Tensor], modules: list[str]) -> dict[
 
 def synthetic_source(name: str, ratio: float, seed: int, workdir: Path) -> ModelSource:
     """Draw the synthetic model ``name`` (every layer decomposed at ``ratio``) into ``workdir``."""
-    from deinfer_megatron.checkpoints.folder import write_decomposed
-    from deinfer_megatron.decompose.allocation import uniform_ranks
-    from deinfer_megatron.arch.model import arch_from_hf_config
-    from deinfer_megatron.models.synthetic import random_state, synthetic_config
 
     config = synthetic_config(name)
     arch = arch_from_hf_config(config)

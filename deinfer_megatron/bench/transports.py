@@ -20,7 +20,11 @@ from typing import Any
 
 import torch
 
+from deinfer_megatron.files.staging import write_atomic
+from deinfer_megatron.launch.local import spawn_local
 from deinfer_megatron.parallel import comm
+from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+from deinfer_megatron.parallel.topology import TPView
 
 SIZES = tuple(4**k for k in range(11))  # 1 .. 1,048,576 elements
 KINDS = ("all_reduce", "all_gather")
@@ -43,8 +47,6 @@ def _round_s(kind: str, elements: int, tp: Any, iters: int) -> float:
 
 def worker(sizes: tuple[int, ...], rounds: int, iters: int) -> dict[str, Any] | None:
     """On each of 2 ranks; rank 0 returns ``{transport: {kind: {elements: median seconds}}}``."""
-    from deinfer_megatron.parallel.runtime import init_parallel, shutdown
-    from deinfer_megatron.parallel.topology import TPView
 
     groups = init_parallel(2, 1)
     try:
@@ -83,8 +85,6 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from deinfer_megatron.launch.local import spawn_local
-
     p = argparse.ArgumentParser(prog="python -m deinfer_megatron.bench.transports", description=__doc__.split("\n")[0])
     p.add_argument("--max-elements", type=int, default=SIZES[-1])
     p.add_argument("--rounds", type=int, default=5)
@@ -99,8 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(result), end="")
     if a.json:
         from pathlib import Path
-
-        from deinfer_megatron.bench.report import write_atomic
 
         write_atomic(Path(a.json), json.dumps(result, indent=1) + "\n")
     return 0

@@ -35,12 +35,12 @@ import torch
 from deinfer_megatron.arch.model import ModelArch, load_arch
 from deinfer_megatron.checkpoints.dcp import read_dcp_tensors
 from deinfer_megatron.checkpoints.dist_names import dist_to_hf
-from deinfer_megatron.files.checksums import sha256
+from deinfer_megatron.checkpoints.loader import MultipliedOut, load_stage
+from deinfer_megatron.checkpoints.manifest import MANIFEST, RANK_CONFIG, folder_files, verify_manifest
+from deinfer_megatron.specs.layout import as_plan
 from deinfer_megatron.specs.rank_config import RankConfig
 
 FORMAT = "deinfer-megatron-dist/1"
-MANIFEST = "deinfer_manifest.json"
-RANK_CONFIG = "rank_config.json"
 TRACKER = "latest_checkpointed_iteration.txt"
 ITERATION = "release"
 # Per-layer keys: decomposed layers have per-layer ranks, which cannot share a stacked tensor.
@@ -125,9 +125,6 @@ def load_model_state(stage: Any, folder: str | Path, source_ranks: RankConfig) -
     Raises:
         ValueError: the stage was built with other ranks than the checkpoint's.
     """
-    from deinfer_megatron.checkpoints.loader import MultipliedOut, load_stage
-
-    from deinfer_megatron.specs.layout import as_plan
 
     # Blocks built dense (all under the dense layout, some under ``auto``) take U·V.
     dense = as_plan(stage.layout, stage.arch.num_layers).dense_modules(stage.arch) & set(source_ranks.modules)
@@ -170,12 +167,6 @@ def iteration_dir(root: str | Path) -> Path:
     return Path(root) / ITERATION
 
 
-def folder_files(root: Path) -> dict[str, str]:
-    """Relative path → SHA-256 of every file under ``root`` except the manifest."""
-    return {p.relative_to(root).as_posix(): sha256(p) for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != MANIFEST}
-
-
 def finish_folder(root: Path, *, config: Mapping[str, Any], rank_config: RankConfig,
                   tokenizer_files: list[Path], metadata: Mapping[str, Any]) -> None:
     """Write what serving needs beside ``root/release`` and, last, the manifest."""
@@ -202,8 +193,6 @@ def open_checkpoint(path: str | Path, *, verify: bool = True, weights: bool = Tr
     Raises:
         ValueError: a file missing, unlisted or corrupted; tensors that contradict the configs.
     """
-    from deinfer_megatron.checkpoints.folder import verify_manifest
-
     root = Path(path)
     manifest = json.loads((root / MANIFEST).read_text())
     arch = load_arch(root)

@@ -38,13 +38,13 @@ from deinfer_megatron.checkpoints.gguf import MANIFEST_NAME as CONVERTED_MANIFES
 from deinfer_megatron.checkpoints.gguf import converted_by_us
 from deinfer_megatron.checkpoints.hf_names import expected_shapes
 from deinfer_megatron.files import failpoints
+from deinfer_megatron.checkpoints.dist_checkpoint import is_dist_checkpoint, open_checkpoint
+from deinfer_megatron.checkpoints.manifest import MANIFEST, RANK_CONFIG, verify_manifest
 from deinfer_megatron.files.checksums import sha256
 from deinfer_megatron.files.staging import claim_output, is_temporary, staged_folder
 from deinfer_megatron.arch.model import ModelArch, load_arch
 from deinfer_megatron.specs.rank_config import RankConfig
 
-MANIFEST = "deinfer_manifest.json"
-RANK_CONFIG = "rank_config.json"
 FORMAT = "deinfer-megatron-decomposed/1"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model",
@@ -107,8 +107,6 @@ def is_project_folder(path: Path) -> bool:
         ours = json.loads((path / MANIFEST).read_text()).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         ours = False
-    from deinfer_megatron.checkpoints.dist_checkpoint import is_dist_checkpoint
-
     return ours or converted_by_us(path) or is_dist_checkpoint(path)
 
 
@@ -124,31 +122,6 @@ def _weight_files(path: Path) -> list[Path]:
         f"{path} has no model.safetensors (or model.safetensors.index.json); convert the "
         "checkpoint to safetensors, e.g. with transformers' save_pretrained(safe_serialization=True)"
     )
-
-
-def verify_manifest(path: Path, manifest: Mapping[str, Any], required: Sequence[str] = (),
-                    only: Sequence[str] | None = None) -> None:
-    """Check every file's SHA-256 against the manifest (``only`` those named, when given);
-    name the first that differs.
-
-    ``required`` files must be listed: a manifest that vouches for nothing verifies nothing.
-    """
-    files = manifest.get("files")
-    if not isinstance(files, Mapping) or not files:
-        raise ValueError(f"{path / MANIFEST} lists no files, so nothing in {path} is verified; "
-                         "re-create the folder (or pass --no-verify for a folder made elsewhere)")
-    unlisted = [name for name in required if name not in files]
-    if unlisted:
-        raise ValueError(f"{path / MANIFEST} does not list {unlisted[0]}; re-create the folder "
-                         "(or pass --no-verify for a folder made elsewhere)")
-    for name, expected in files.items():
-        if only is not None and name not in only:
-            continue
-        f = path / name
-        if not f.is_file():
-            raise ValueError(f"{f} is listed in {MANIFEST} but missing; the folder is incomplete")
-        if sha256(f) != expected:
-            raise ValueError(f"{f} is corrupted (SHA-256 differs from {MANIFEST}); re-create the folder")
 
 
 def _verify_conversion(path: Path, only: Sequence[str] | None = None) -> None:
@@ -198,8 +171,6 @@ def open_model(path: str | Path, *, verify: bool = True) -> ModelFolder:
     always checked.
     """
     path = Path(path)
-    from deinfer_megatron.checkpoints.dist_checkpoint import is_dist_checkpoint, open_checkpoint
-
     if is_dist_checkpoint(path):  # a Megatron checkpoint of `convert --to megatron`
         arch, rank_config, manifest, tensors = open_checkpoint(path, verify=verify)
         _check_tensors(tensors, arch, rank_config, path)
@@ -213,8 +184,6 @@ def open_model(path: str | Path, *, verify: bool = True) -> ModelFolder:
 def open_config(path: str | Path, *, verify: bool = True) -> tuple[ModelArch, RankConfig]:
     """A folder's architecture and rank config (verified like ``open_model``, weights unread):
     what ``plan`` needs. Also of a Megatron checkpoint written by ``convert --to megatron``."""
-    from deinfer_megatron.checkpoints.dist_checkpoint import is_dist_checkpoint, open_checkpoint
-
     if is_dist_checkpoint(path):
         arch, rank_config, _, _ = open_checkpoint(path, verify=verify, weights=False)
         return arch, rank_config

@@ -39,6 +39,7 @@ from deinfer_megatron.checkpoints.megatron_args import (
 )
 from deinfer_megatron.arch.model import ModelArch
 from deinfer_megatron.checkpoints.dcp import read_dcp_tensors
+from deinfer_megatron.checkpoints.dist_checkpoint import is_dist_checkpoint, open_checkpoint
 from deinfer_megatron.checkpoints.megatron_layout import gated_rows, megatron_shapes, megatron_to_hf
 from deinfer_megatron.parallel.topology import Span
 
@@ -85,7 +86,6 @@ def _rank_files(folder: Path) -> dict[tuple[int, int], Path]:
 def tokenizer_folder(path: Path) -> Path | None:
     """The folder holding a Megatron checkpoint's Hugging Face tokenizer: the root of one
     written by ``convert --to megatron`` (which copies it there), else None."""
-    from deinfer_megatron.checkpoints.dist_checkpoint import is_dist_checkpoint
 
     return Path(path) if is_dist_checkpoint(path) else None
 
@@ -120,7 +120,6 @@ def read_megatron_checkpoint(path: Path, *, vocab_size: int | None = None) -> tu
         ValueError: an architecture or layout this reader does not support.
     """
     path = Path(path)
-    from deinfer_megatron.checkpoints.dist_checkpoint import is_dist_checkpoint, open_checkpoint
 
     if is_dist_checkpoint(path):  # written by `convert --to megatron`: verified, configs beside it
         arch, rank_config, _, tensors = open_checkpoint(path)

@@ -18,10 +18,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from deinfer_megatron.bench import matrix, peers as peer_runs, prediction, profile, report, roofline
 from deinfer_megatron.bench.matrix import BenchConfig, BenchGrid, BenchOutputs
-from deinfer_megatron.bench.peers import Peer
+from deinfer_megatron.bench.plot import render_png
+from deinfer_megatron.bench.records import CellStatus, Peer
+from deinfer_megatron.bench.sources import folder_source, synthetic_source
+from deinfer_megatron.files.staging import write_atomic
 from deinfer_megatron.generation.prefill import DEFAULT_MAX_PREFILL_TOKENS
+from deinfer_megatron.launch import allocator
 from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.models.synthetic import synthetic_arch
+from deinfer_megatron.parallel.topology import check_parallel_sizes
 from deinfer_megatron.planning.request import LayoutRequest, choices
 from deinfer_megatron.specs.layout import latent_cache_layouts
 
@@ -124,8 +131,6 @@ def _check_outputs(outputs: BenchOutputs) -> None:
 def _host(start_load: tuple[float, ...], started: str) -> dict[str, Any]:
     import torch
 
-    from deinfer_megatron.launch import allocator
-
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "1")),
             "allocator": allocator.state(),  # this project's ranks; the peers run with glibc's defaults
@@ -135,10 +140,6 @@ def _host(start_load: tuple[float, ...], started: str) -> dict[str, Any]:
 
 
 def _source(grid: BenchGrid, workdir: Path) -> Any:
-    from deinfer_megatron.bench.sources import folder_source, synthetic_source
-    from deinfer_megatron.models.synthetic import synthetic_arch
-    from deinfer_megatron.parallel.topology import check_parallel_sizes
-
     if grid.synthetic is None:
         return folder_source(grid.model)
     for tp in grid.tps:  # before drawing a model that may take a while to write
@@ -149,8 +150,6 @@ def _source(grid: BenchGrid, workdir: Path) -> Any:
 
 def profiled_and_predicted(grid: BenchGrid, source: Any, records: list[Any]) -> list[Any]:
     """Measured cells with their ``--profile`` breakdown and the cost model's predicted step."""
-    from deinfer_megatron.bench import prediction, profile
-    from deinfer_megatron.bench.records import CellStatus
 
     out = []
     for r in records:
@@ -163,10 +162,6 @@ def profiled_and_predicted(grid: BenchGrid, source: Any, records: list[Any]) -> 
 
 
 def main(cfg: BenchConfig) -> int:
-    from deinfer_megatron.bench import matrix, report, roofline
-    from deinfer_megatron.bench import peers as peer_runs
-    from deinfer_megatron.bench.records import CellStatus
-
     grid, outputs = cfg.grid, cfg.outputs
     matrix.check_config(cfg)
     _check_outputs(outputs)
@@ -190,13 +185,12 @@ def main(cfg: BenchConfig) -> int:
     if outputs.json is not None:
         import json
 
-        report.write_atomic(outputs.json, json.dumps(doc.to_json(), indent=1))
+        write_atomic(outputs.json, json.dumps(doc.to_json(), indent=1))
     if outputs.markdown is not None:
-        report.write_atomic(outputs.markdown, report.markdown(doc))
+        write_atomic(outputs.markdown, report.markdown(doc))
     if outputs.plot is not None:
-        from deinfer_megatron.bench.plot import render_png
 
-        report.write_atomic(outputs.plot, render_png(doc))
+        write_atomic(outputs.plot, render_png(doc))
     print(report.text_table(doc.cells, doc.peers))
     for line in report.roofline_lines(doc.cells) + report.peer_ratio_lines(doc.peer_ratios):
         print(line)

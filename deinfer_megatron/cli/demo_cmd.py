@@ -22,12 +22,28 @@ from typing import Any
 
 import torch
 
+from deinfer_megatron.checkpoints.embedded import cache_dir, fetch_model
+from deinfer_megatron.checkpoints.folder import MANIFEST
+from deinfer_megatron.checkpoints.loader import MultipliedOut
 from deinfer_megatron.cli.output import emit_json
+from deinfer_megatron.decompose.allocation import ALLOCATOR_VERSION, uniform_ranks
+from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
+from deinfer_megatron.generation.job import GenerateJob, run_generate
 from deinfer_megatron.generation.options import CacheOptions
+from deinfer_megatron.healing.job import HealJob, run_heal
+from deinfer_megatron.healing.state import state_dir
 from deinfer_megatron.runtime.options import Parallelism
 from deinfer_megatron.launch.local import spawn_local
 from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.models.build import build_stage, load_weights
+from deinfer_megatron.models.pipeline import stage_forward
+from deinfer_megatron.models.synthetic import random_state, synthetic_arch, synthetic_config
+from deinfer_megatron.parallel import comm
+from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+from deinfer_megatron.planning.plan import make_plan
+from deinfer_megatron.planning.report import format_plans
 from deinfer_megatron.specs.layout import Layout
+from deinfer_megatron.specs.rank_config import RankConfig
 
 DEMO_MODEL = "llama-tiny"
 DEMO_RATIO = 0.6
@@ -62,10 +78,6 @@ def config_from_args(a: argparse.Namespace) -> DemoConfig:
 
 
 def _setup(seed: int) -> tuple[Any, Any, dict, torch.Tensor]:
-    from deinfer_megatron.decompose.allocation import uniform_ranks
-    from deinfer_megatron.models.synthetic import random_state, synthetic_arch
-    from deinfer_megatron.specs.rank_config import RankConfig
-
     arch = synthetic_arch(DEMO_MODEL)
     ranks = uniform_ranks(arch, DEMO_RATIO, layers=range(arch.num_layers - 1))
     rank_config = RankConfig.from_mapping(ranks, arch)
@@ -75,11 +87,6 @@ def _setup(seed: int) -> tuple[Any, Any, dict, torch.Tensor]:
 
 
 def _rank(tp: int, seed: int) -> dict[str, Any]:
-    from deinfer_megatron.models.build import build_stage, load_weights
-    from deinfer_megatron.parallel import comm
-    from deinfer_megatron.models.pipeline import stage_forward
-    from deinfer_megatron.parallel.runtime import init_parallel, shutdown
-
     groups = init_parallel(tp, 1)
     arch, rank_config, state, ids = _setup(seed)
     pos = torch.arange(ids.shape[1]).expand_as(ids)
@@ -103,9 +110,6 @@ def _rank(tp: int, seed: int) -> dict[str, Any]:
 def _reference_logits(arch: Any, rank_config: Any, state: dict, ids: torch.Tensor) -> torch.Tensor:
     import transformers
 
-    from deinfer_megatron.checkpoints.loader import MultipliedOut
-    from deinfer_megatron.models.synthetic import synthetic_config
-
     cfg = transformers.AutoConfig.for_model(**synthetic_config(DEMO_MODEL))
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     dense = MultipliedOut(state, rank_config)
@@ -118,7 +122,6 @@ def cache_is_current(manifest: Path) -> bool:
     """Whether the cached decomposition was made by the allocator this code runs: a cache made
     by an older one (which factored break-even matrices) is decomposed again, in place — the
     folder is the demo's own, and ``--overwrite`` replaces only folders the project made."""
-    from deinfer_megatron.decompose.allocation import ALLOCATOR_VERSION
 
     try:
         return json.loads(manifest.read_text()).get("allocator") == ALLOCATOR_VERSION
@@ -132,10 +135,6 @@ HEAL_TOKENS = 16 * 4 * 256  # 16 steps of 4 windows: a few minutes on 2 cores, d
 def _healed(dense: Any, decomposed: Any, seed: int) -> Any:
     """The demo's decomposition healed by distillation from the dense model, on conversations
     the dense model writes itself (no data needed); done once, then cached."""
-    from deinfer_megatron.checkpoints.embedded import cache_dir
-    from deinfer_megatron.checkpoints.folder import MANIFEST
-    from deinfer_megatron.healing.job import HealJob, run_heal
-    from deinfer_megatron.healing.state import state_dir
 
     healed = cache_dir() / f"{decomposed.name}-healed"
     if not cache_is_current(healed / MANIFEST):  # healed from an older decomposition: heal again
@@ -150,10 +149,6 @@ def _healed(dense: Any, decomposed: Any, seed: int) -> Any:
 def smollm2_demo(cfg: DemoConfig) -> int:
     """Decompose the embedded model once (cached), heal it (cached), then generate beside the
     dense model."""
-    from deinfer_megatron.checkpoints.embedded import cache_dir, fetch_model
-    from deinfer_megatron.checkpoints.folder import MANIFEST
-    from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
-    from deinfer_megatron.generation.job import GenerateJob, run_generate
 
     dense = fetch_model("smollm2-135m")
     decomposed = cache_dir() / "smollm2-135m-svd-llm-r0.8-self"
@@ -230,9 +225,6 @@ def parity_table(rows: list[LayoutParity], scale: float) -> str:
 
 
 def layouts_demo(cfg: DemoConfig) -> int:
-    from deinfer_megatron.planning.plan import make_plan
-    from deinfer_megatron.planning.report import format_plans
-
     arch, rank_config, state, ids = _setup(cfg.seed)
     plans = {layout: make_plan(arch, rank_config, layout, tp=cfg.tp) for layout in Layout}
     if not cfg.json:

@@ -15,6 +15,7 @@ from deinfer_megatron.generation.options import CacheOptions
 from deinfer_megatron.generation.prefill import DEFAULT_MAX_PREFILL_TOKENS
 from deinfer_megatron.parallel.collectives import Collectives
 from deinfer_megatron.generation.sampling import SamplingParams
+from deinfer_megatron.launch.env import detect
 from deinfer_megatron.launch.external import LAUNCHERS, run_under_launcher
 from deinfer_megatron.launch.report import send_report
 from deinfer_megatron.layers.kv_cache import CacheKind
@@ -116,8 +117,6 @@ def _without_launcher(argv: list[str]) -> list[str]:
 
 
 def main(cfg: GenerateConfig) -> int:
-    from deinfer_megatron.launch.env import detect
-
     job = cfg.job
     if cfg.launcher != "auto" and detect() is None:
         validate(job)  # bad input fails here, in one line, before any launcher starts

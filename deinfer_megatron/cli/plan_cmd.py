@@ -12,7 +12,8 @@ from deinfer_megatron.checkpoints.folder import RANK_CONFIG, open_config
 from deinfer_megatron.cli.arguments import parsed_by
 from deinfer_megatron.cli.output import emit_json
 from deinfer_megatron.parallel.topology import check_parallel_sizes
-from deinfer_megatron.planning.auto import Workload, choose_layouts, table_for
+from deinfer_megatron.planning.auto import table_for
+from deinfer_megatron.planning.pricing import Workload, choose_layouts
 from deinfer_megatron.planning.cost_model import CostTable
 from deinfer_megatron.planning.plan import Plan, make_plan
 from deinfer_megatron.planning.report import format_plans

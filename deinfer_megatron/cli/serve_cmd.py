@@ -13,6 +13,7 @@ from typing import Any
 from deinfer_megatron.cli.arguments import names, parsed_by
 from deinfer_megatron.cli.generate_cmd import _without_launcher as without_launcher
 from deinfer_megatron.generation.options import CacheOptions
+from deinfer_megatron.launch.env import detect
 from deinfer_megatron.launch.external import LAUNCHERS, run_under_launcher
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.runtime.options import DType, Engine, Parallelism
@@ -91,8 +92,6 @@ def _forward_sigterm(signum: int, frame: Any) -> None:
 
 
 def main(cfg: ServeConfig) -> int:
-    from deinfer_megatron.launch.env import detect
-
     job = cfg.job
     if cfg.launcher != "auto" and detect() is None:
         validate(job)  # bad input fails here, in one line, before any launcher starts

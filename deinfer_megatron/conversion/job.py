@@ -17,19 +17,25 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from deinfer_megatron.arch.model import arch_from_hf_config
 from deinfer_megatron.checkpoints.dist_checkpoint import (
     FORMAT,
     finish_folder,
-    iteration_dir,
     is_dist_checkpoint,
+    iteration_dir,
     open_checkpoint,
+    save_model_state,
 )
 from deinfer_megatron.checkpoints.folder import TOKENIZER_FILES, is_project_folder, open_model, write_decomposed
 from deinfer_megatron.checkpoints.megatron_ckpt import detect_megatron_checkpoint, read_megatron_checkpoint
 from deinfer_megatron.files.checksums import sha256
 from deinfer_megatron.files.staging import claim_output, staged_folder
+from deinfer_megatron.launch.run import run_on_ranks
+from deinfer_megatron.models.build import load_folder
+from deinfer_megatron.parallel.runtime import init_parallel, shutdown
 from deinfer_megatron.parallel.topology import check_parallel_sizes
 from deinfer_megatron.specs.layout import Layout
+from deinfer_megatron.specs.rank_config import RankConfig
 
 TARGETS = ("megatron", "hf")
 
@@ -69,8 +75,6 @@ def _claim(job: ConvertJob) -> None:
 
 
 def _to_megatron(job: ConvertJob) -> Path:
-    from deinfer_megatron.launch.run import run_on_ranks
-
     if is_dist_checkpoint(job.model) or detect_megatron_checkpoint(job.model) is not None:
         raise ValueError(f"{job.model} is a Megatron checkpoint already; it loads at any --tp/--pp as it is "
                          "(convert it with --to hf for a model folder)")
@@ -105,9 +109,6 @@ def _manifest_digest(model: Path) -> str | None:
 
 def _save_on_rank(model: str, folder: str, layout: Layout, tp: int, pp: int) -> None:
     """One rank: load its stage from the (already verified) folder and save it."""
-    from deinfer_megatron.checkpoints.dist_checkpoint import save_model_state
-    from deinfer_megatron.models.build import load_folder
-    from deinfer_megatron.parallel.runtime import init_parallel, shutdown
 
     groups = init_parallel(tp, pp)
     try:
@@ -122,8 +123,6 @@ def _to_hf(job: ConvertJob) -> Path:
         config = json.loads((job.model / "config.json").read_text())
         tokenizer_dir, source = job.model, manifest.get("converted_from")
     elif detect_megatron_checkpoint(job.model) is not None:  # a Megatron-LM run's own (dense) checkpoint
-        from deinfer_megatron.arch.model import arch_from_hf_config
-        from deinfer_megatron.specs.rank_config import RankConfig
 
         config, tensors = read_megatron_checkpoint(job.model)
         rank_config, tokenizer_dir, source = RankConfig.dense(arch_from_hf_config(config)), None, None

@@ -18,6 +18,11 @@ from deinfer_megatron.decompose.run import Plan, decompose_model, decomposed_sta
 from deinfer_megatron.files.staging import claim_output
 from deinfer_megatron.files.text import read_text
 from deinfer_megatron.arch.model import ModelArch, arch_from_hf_config, load_arch
+from deinfer_megatron.checkpoints.megatron_ckpt import (
+    detect_megatron_checkpoint,
+    read_megatron_checkpoint,
+    tokenizer_folder,
+)
 from deinfer_megatron.specs.rank_config import RankConfig
 
 log = logging.getLogger(__name__)
@@ -62,12 +67,6 @@ def parse_layers(spec: str, num_layers: int) -> frozenset[int]:
 def _load_dense(job: DecomposeJob) -> tuple[Any, dict[str, Any], Path | None]:
     """(Hugging Face model in float32, its config dict, the folder holding its tokenizer)."""
     import transformers
-
-    from deinfer_megatron.checkpoints.megatron_ckpt import (
-        detect_megatron_checkpoint,
-        read_megatron_checkpoint,
-        tokenizer_folder,
-    )
 
     if detect_megatron_checkpoint(job.model) is not None:
         tokenizer_dir = job.tokenizer or tokenizer_folder(job.model)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from deinfer_megatron.arch.model import ModelArch
 from deinfer_megatron.files.text import read_text
 from deinfer_megatron.models.pipeline import broadcast_from_last_stage, stage_forward
-from deinfer_megatron.planning.auto import Workload
+from deinfer_megatron.planning.pricing import Workload
 from deinfer_megatron.planning.preflight import Footprint
 from deinfer_megatron.planning.request import LayoutRequest
 from deinfer_megatron.runtime.job import RankContext, run_job

@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import socket
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -171,4 +172,18 @@ def staged_folder(out: Path, *, before_publish: Callable[[], None] | None = None
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write the file ``path`` through a temporary sibling and a rename: readers never see half
+    a file (reports, cost tables)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent or Path("."), prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
         raise

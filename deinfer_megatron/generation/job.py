@@ -27,7 +27,7 @@ from deinfer_megatron.generation.prefill import DEFAULT_MAX_PREFILL_TOKENS, chec
 from deinfer_megatron.generation.sampling import SamplingParams
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.parallel import comm
-from deinfer_megatron.planning.auto import Workload
+from deinfer_megatron.planning.pricing import Workload
 from deinfer_megatron.planning.plan import make_plan
 from deinfer_megatron.planning.preflight import Footprint
 from deinfer_megatron.runtime.job import RankContext, check_job, prepare, run_prepared

@@ -20,6 +20,7 @@ from torch import nn
 from megatron.core.transformer.enums import AttnMaskType
 
 from deinfer_megatron.layers.costs import Attend, Cost
+from deinfer_megatron.patches import apply_all
 
 SDPA = "sdpa"  # this module's attention
 MEGATRON = "megatron"  # Megatron's DotProductAttention (the dense layout's, Megatron's local spec)
@@ -215,8 +216,6 @@ def standalone_core(attend: Attend, dtype: torch.dtype) -> Iterator[Callable[...
     memory buffer (its scores' storage): one is set up where no process group made it, and taken
     down after, so that a job later initialising its groups in this process starts as without."""
     from megatron.core import parallel_state
-
-    from deinfer_megatron.patches import apply_all
 
     apply_all()  # Megatron's buffer allocates on torch.cuda.current_device()
     made = parallel_state._GLOBAL_MEMORY_BUFFER is None

@@ -16,6 +16,13 @@ import torch
 
 from deinfer_megatron.checkpoints.loader import MultipliedOut, load_stage
 from deinfer_megatron.arch.model import ModelArch, transformer_config
+from deinfer_megatron.checkpoints.dist_checkpoint import (
+    is_dist_checkpoint,
+    iteration_dir,
+    load_model_state,
+    open_checkpoint,
+)
+from deinfer_megatron.checkpoints.folder import open_model
 from deinfer_megatron.parallel.runtime import ParallelGroups
 from deinfer_megatron.specs.builder import decomposed_block_spec
 from deinfer_megatron.specs.layout import Layout, LayoutPlan, as_plan
@@ -153,13 +160,6 @@ def load_folder(path: str | Path, layout: Layout | LayoutPlan, groups: ParallelG
     ``verify=False`` when the command verified the manifest already, before the ranks started;
     shapes and non-finite values are checked either way.
     """
-    from deinfer_megatron.checkpoints.dist_checkpoint import (
-        is_dist_checkpoint,
-        iteration_dir,
-        load_model_state,
-        open_checkpoint,
-    )
-    from deinfer_megatron.checkpoints.folder import open_model
 
     if is_dist_checkpoint(path):  # Megatron's dist_checkpointing reads this rank's slices only
         arch, ranks, _, _ = open_checkpoint(path, verify=verify, read=False)

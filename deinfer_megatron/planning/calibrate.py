@@ -40,7 +40,10 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from deinfer_megatron.layers.core_attention import standalone_core
 from deinfer_megatron.layers.costs import Attend, Gemm
+from deinfer_megatron.parallel import shm
+from deinfer_megatron.parallel.shm import ShmCollectives
 from deinfer_megatron.planning.cost_model import GEMM_DTYPES, CostTable, TableKey
 
 GEMM_TOKENS = (1, 8, 64, 256)
@@ -198,7 +201,6 @@ def measure_attention(dtype: str, cases: Iterable[tuple[Attend, int, int]], *,
     token's attention through the real core (``layers.core_attention.standalone_core``) over
     K/V views ``[context, batch, kv_heads, d]`` of a pool 1.5 times the last-level cache (at most
     ``MAX_CALLS`` views, two at least), the median of ``ROUNDS`` passes' means."""
-    from deinfer_megatron.layers.core_attention import standalone_core
 
     torch.set_num_threads(threads)
     t = getattr(torch, dtype)
@@ -237,8 +239,6 @@ def measure_memory() -> float:
 
 
 def _collective_member(name: str, member: int, queue: Any) -> None:
-    from deinfer_megatron.parallel.shm import ShmCollectives
-
     torch.set_num_threads(1)
     cpus = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpus[member % len(cpus)]})  # a core each, as a job's local ranks run
@@ -264,7 +264,6 @@ def _collective_member(name: str, member: int, queue: Any) -> None:
 def measure_collectives() -> dict[str, list[float]]:
     """[latency s, bytes/s] per kind between two forked local processes; raises RuntimeError
     when the machine cannot run the shared-memory transport."""
-    from deinfer_megatron.parallel import shm
 
     if not shm.supported():
         raise RuntimeError("this machine has no shared-memory transport to calibrate; use a fixed --layout")

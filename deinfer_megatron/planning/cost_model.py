@@ -16,7 +16,7 @@ into seconds for a decode step of ``batch`` sequences at ``context`` cached toke
 The last term is what a small model's step is made of: Python, Megatron's module glue and each
 collective call's own Python, measured by ``planning.overhead`` at the TP size asked for, with the
 fixed time per layer (norms, residuals) and outside the layers (embedding, final norm, output
-layer, sampling, the loop) that complete a whole decode step (``planning.auto.outside_seconds``).
+layer, sampling, the loop) that complete a whole decode step (``planning.pricing.outside_seconds``).
 
 The table is calibrated once per host (``planning.calibrate``) and cached as JSON under the
 cache dir, keyed by host id, project version, table format, torch version and thread count: a
@@ -24,7 +24,7 @@ cached table whose key differs from the running process's (another host, an olde
 threads) is ignored and measured again, never trusted. Tests inject a table.
 
 The matrix products are timed per shape (``shapes``), lazily: a plan asks for the shapes and
-batch rows it will price (``planning.auto.required_gemms``), ``host_table`` measures the missing
+batch rows it will price (``planning.pricing.required_gemms``), ``planning.host.host_table`` measures the missing
 ones (``calibrate.measure_shapes``, a few ms each, weights cycled through more memory than the
 last-level cache holds, as a decode step reads them) and adds them to the cache. Why per shape:
 one GEMM of a block's parameters at rates of cached square matrices said a step hardly grows
@@ -46,19 +46,21 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
+from deinfer_megatron.checkpoints.embedded import cache_dir
+from deinfer_megatron.files.staging import write_atomic
+from deinfer_megatron.launch import allocator
+from deinfer_megatron.launch.allocator import DEFAULT_STATE
 from deinfer_megatron.layers.costs import Attend, Gemm
 
 log = logging.getLogger(__name__)
 
 FORMAT = 7  # 2: framework overhead per TP size; 3: matrix products timed per shape; 4: collectives and fixed times with cold caches; 5: attention timed per context (and left out of the fixed times); 6: fixed times with the ranks lined up before each block, rounds interleaved; products and attention the median of their passes, not the fastest; 7: fixed times from models whose heads every TP size divides (dense measured above TP 4). Bump when the table's fields or their meaning change: older caches are ignored
 GEMM_DTYPES = ("float32", "bfloat16")
-
 
 def host_id() -> str:
     """This machine: its hostname and ``/etc/machine-id`` (a copied home directory on another
@@ -96,8 +98,6 @@ class TableKey:
     @classmethod
     def current(cls, threads: int | None = None) -> "TableKey":
         import torch
-
-        from deinfer_megatron.launch import allocator
 
         return cls(host_id(), project_version(), torch.__version__,
                    threads if threads is not None else torch.get_num_threads(), allocator=allocator.state())
@@ -307,8 +307,6 @@ def cache_path(key: TableKey, root: Path | None = None) -> Path:
     ``-<allocator>`` before ``.json`` when the allocator state is not the project's default, so
     that a job run with ``DEINFER_MEGATRON_MALLOC=system`` (or a preloaded allocator) keeps its
     own table instead of re-measuring over the default's at every switch."""
-    from deinfer_megatron.checkpoints.embedded import cache_dir
-    from deinfer_megatron.launch.allocator import DEFAULT_STATE
 
     def slug(text: str) -> str:
         return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
@@ -336,109 +334,6 @@ def load_cached(path: Path, key: TableKey) -> CostTable | None:
 
 
 def save(table: CostTable, path: Path) -> None:
-    """Write ``table`` to ``path`` whole (a temporary file renamed into place)."""
-    from deinfer_megatron.files.staging import temp_name
-
+    """Write ``table`` to ``path`` whole (``files.staging.write_atomic``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(path)
-    tmp.write_text(json.dumps(table.to_json(), indent=1))
-    os.replace(tmp, path)
-
-
-def with_shapes(table: CostTable, dtype: str, needs: Iterable[tuple[Gemm, int]]) -> CostTable:
-    """``table`` with every (shape, rows) of ``needs`` measured (only those it lacks)."""
-    from dataclasses import replace
-
-    missing = table.missing_shapes(dtype, needs)
-    if not missing:
-        return table
-    from deinfer_megatron.planning.calibrate import measure_shapes
-
-    measured = measure_shapes(dtype, missing, threads=table.key.threads)
-    return replace(table, shapes=_merged(table.shapes, measured, lambda gemm: shape_key(dtype, gemm)))
-
-
-def with_attention(table: CostTable, dtype: str, needs: Iterable[tuple[Attend, int, int]]) -> CostTable:
-    """``table`` with every (attend, batch, context) of ``needs`` timed (only those it lacks)."""
-    from dataclasses import replace
-
-    missing = table.missing_attention(dtype, needs)
-    if not missing:
-        return table
-    from deinfer_megatron.planning.calibrate import measure_attention
-
-    measured = measure_attention(dtype, missing, threads=table.key.threads)
-    return replace(table, attention=_merged(table.attention, measured, lambda attend: attention_key(dtype, attend)))
-
-
-def _merged(have: dict[str, list[list[float]]], measured: dict[Any, list[list[float]]],
-            key_of: Callable[[Any], str]) -> dict[str, list[list[float]]]:
-    """``have`` (a table's rows by key) with each measured case's rows added under its key, sorted."""
-    out = {k: list(v) for k, v in have.items()}
-    for case, rows in measured.items():
-        key = key_of(case)
-        out[key] = sorted(out.get(key, []) + rows)
-    return out
-
-
-def host_table(*, tp: int, threads: int | None = None, root: Path | None = None,
-               gemms: Iterable[tuple[Gemm, int]] = (), attention: Iterable[tuple[Attend, int, int]] = (),
-               dtype: str = "float32") -> CostTable:
-    """This host's table: the cached one if its key matches, else a fresh calibration (seconds),
-    cached for the next job. ``tp`` > 1 needs the collectives measured too, every TP size its
-    framework overhead (``planning.overhead``, measured once per TP size on ``tp`` local ranks),
-    every (shape, batch rows) of ``gemms`` in ``dtype`` its time (``with_shapes``) and every
-    (attend, batch, context) of ``attention`` its time (``with_attention``)."""
-    from dataclasses import replace
-
-    from deinfer_megatron.planning.calibrate import calibrate
-
-    key = TableKey.current(threads)
-    path = cache_path(key, root)
-    table = load_cached(path, key)
-    gemms, attention = list(gemms), list(attention)
-    if (table is not None and (tp == 1 or table.collectives) and str(tp) in table.overhead
-            and not table.missing_shapes(dtype, gemms) and not table.missing_attention(dtype, attention)):
-        return table
-    what = ", ".join(_to_measure(table, tp, dtype, gemms, attention))
-    log.info("measuring this machine's cost table once (%s; up to tens of seconds), cached in %s", what, path)
-    try:
-        if table is None or (tp > 1 and not table.collectives):
-            table = calibrate(key, collectives=tp > 1)
-        if str(tp) not in table.overhead:
-            from deinfer_megatron.planning.overhead import measure_overhead, required_attention, required_gemms
-
-            table = with_shapes(table, "float32", required_gemms(tp))  # what its fit prices
-            table = with_attention(table, "float32", required_attention(tp))
-            table = replace(table, overhead={**table.overhead, str(tp): measure_overhead(table, tp)})
-        table = with_attention(with_shapes(table, dtype, gemms), dtype, attention)
-    except Exception as err:  # noqa: BLE001 - whatever stopped the measurement, the caller decides
-        first = (str(err).strip().splitlines() or [""])[0]
-        raise CalibrationFailed(f"could not measure this machine's cost table ({what}): "
-                                f"{type(err).__name__}: {first}") from err
-    save(table, path)
-    return table
-
-
-class CalibrationFailed(RuntimeError):
-    """``host_table`` could not measure what it lacks (no shared memory for the collectives, a
-    measuring rank that failed or timed out): one line naming what was measured and why it
-    stopped. Nothing is cached, so the next job measures again."""
-
-
-def _to_measure(table: CostTable | None, tp: int, dtype: str, gemms: list[tuple[Gemm, int]],
-                attention: list[tuple[Attend, int, int]]) -> list[str]:
-    """What ``host_table`` is about to measure, as the user reads it: the one line said before
-    the pause, where the command would otherwise sit silent through a calibration."""
-    parts = []
-    if table is None or (tp > 1 and not table.collectives):
-        parts.append("GEMM, memory and collective rates" if tp > 1 else "GEMM and memory rates")
-    if table is None or str(tp) not in table.overhead:
-        parts.append(f"framework time at TP={tp}")
-    shapes = len(set(gemms)) if table is None else len(table.missing_shapes(dtype, gemms))
-    if shapes:
-        parts.append(f"{shapes} matrix product shape{'s' if shapes != 1 else ''} of this job")
-    attends = len(attention_cases(dtype, attention) if table is None else table.missing_attention(dtype, attention))
-    if attends:
-        parts.append(f"{attends} attention case{'s' if attends != 1 else ''} at this job's context")
-    return parts
+    write_atomic(path, json.dumps(table.to_json(), indent=1))

@@ -37,9 +37,28 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from deinfer_megatron.arch.model import arch_from_hf_config, transformer_config
 from deinfer_megatron.files.failpoints import point
+from deinfer_megatron.launch.local import spawn_local
+from deinfer_megatron.models.build import build_stage, load_weights
+from deinfer_megatron.models.pipeline import broadcast_from_last_stage, stage_forward
+from deinfer_megatron.models.synthetic import random_state
+from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+from deinfer_megatron.parallel.topology import TPView
+from deinfer_megatron.planning.calibrate import CacheFlush
 from deinfer_megatron.planning.cost_model import CostTable
+from deinfer_megatron.planning.pricing import (
+    BLOCKS,
+    CANDIDATES,
+    Workload,
+    choose_layouts,
+    layout_costs,
+    outside_seconds,
+    required_attention as plan_attention,
+    required_gemms as plan_gemms,
+)
 from deinfer_megatron.specs.layout import Layout
+from deinfer_megatron.specs.rank_config import RankConfig
 
 _LLAMA = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0,
               tie_word_embeddings=False, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
@@ -149,8 +168,6 @@ def _decode(stage: Any, timer: BlockTimer, batch: int) -> dict[str, float]:
     import torch
     from megatron.core.inference.contexts.static_context import StaticInferenceContext
 
-    from deinfer_megatron.models.pipeline import broadcast_from_last_stage, stage_forward
-
     prompts = torch.tensor([[3 + (i * 7 + j) % 200 for j in range(PROMPT)] for i in range(batch)])
     like = torch.zeros(batch, dtype=torch.long)
     timer.reset()
@@ -177,7 +194,6 @@ def time_stages(stages: dict[str, Any], *, rounds: int = ROUNDS, batch: int = 1,
     spreads over every layout and size instead of landing on whichever was measured last: the
     choice between layouts rests on their differences, which are fractions of a millisecond a
     block. Every rank makes the same calls in the same order (``sync`` is a collective)."""
-    from deinfer_megatron.planning.calibrate import CacheFlush
 
     flush = CacheFlush()
     timers = {k: BlockTimer(stage.model.decoder.layers, flush=flush, sync=sync) for k, stage in stages.items()}
@@ -210,8 +226,6 @@ def sizes(tp: int) -> tuple[dict[str, Any], ...]:
 
 def _model(size: dict[str, Any]) -> tuple[Any, Any, dict[str, int]]:
     """A size's architecture and uniform ranks keeping ``RATIO`` of every matrix's parameters."""
-    from deinfer_megatron.arch.model import arch_from_hf_config
-    from deinfer_megatron.specs.rank_config import RankConfig
 
     arch = arch_from_hf_config(size)
     ranks = {name: max(1, int(RATIO * m * n / (m + n))) for name, (m, n) in arch.linear_shapes().items()}
@@ -222,10 +236,6 @@ def overhead_worker(job: OverheadJob) -> dict[str, dict[str, float]]:
     """On each rank: ``"<size>/<layout>"`` → the medians of every part (seconds)."""
     import torch
     import torch.distributed as dist
-
-    from deinfer_megatron.models.build import build_stage, load_weights
-    from deinfer_megatron.models.synthetic import random_state
-    from deinfer_megatron.parallel.runtime import init_parallel, shutdown
 
     point("overhead.rank")  # the robustness suite kills a measuring rank here
     torch.set_num_threads(job.threads)
@@ -247,7 +257,6 @@ def overhead_worker(job: OverheadJob) -> dict[str, dict[str, float]]:
 
 def required_gemms(tp: int) -> set[tuple[Any, int]]:
     """The matrix products (and batch rows) that ``fit`` prices: both sizes, batch 1."""
-    from deinfer_megatron.planning.auto import Workload, required_gemms as plan_gemms
 
     out: set[tuple[Any, int]] = set()
     for size in sizes(tp):
@@ -259,7 +268,6 @@ def required_gemms(tp: int) -> set[tuple[Any, int]]:
 def required_attention(tp: int) -> set[tuple[Any, int, int]]:
     """The attention (batch 1, the fit's context) that ``fit`` prices for both sizes: timed, so
     that the fixed times are what is left beside the attention the cost model times."""
-    from deinfer_megatron.planning.auto import required_attention as plan_attention
 
     out: set[tuple[Any, int, int]] = set()
     for size in sizes(tp):
@@ -270,14 +278,11 @@ def required_attention(tp: int) -> set[tuple[Any, int, int]]:
 
 def _fit_workload(tp: int) -> Any:
     """The step ``fit`` prices: batch 1 at the middle of the timed decode's context."""
-    from deinfer_megatron.planning.auto import Workload
 
     return Workload(tp=tp, batch=1, context=PROMPT + NEW_TOKENS // 2)
 
 
 def _layouts() -> tuple[Layout, ...]:
-    from deinfer_megatron.planning.auto import CANDIDATES
-
     return CANDIDATES
 
 
@@ -290,9 +295,6 @@ def intercept(r1: float, r2: float, p1: float, p2: float) -> float:
 def fit(table: CostTable, tp: int, measured: dict[str, dict[str, float]]) -> dict[str, Any]:
     """The fixed costs (``CostTable.overhead``'s entry for ``tp``) from every size's and layout's
     measured parts (the slowest rank's), less the table's own price at each size."""
-    from deinfer_megatron.arch.model import transformer_config
-    from deinfer_megatron.parallel.topology import TPView
-    from deinfer_megatron.planning.auto import BLOCKS, choose_layouts, layout_costs, outside_seconds
 
     base = replace(table, overhead={})
     work = _fit_workload(tp)
@@ -323,7 +325,6 @@ def fit(table: CostTable, tp: int, measured: dict[str, dict[str, float]]) -> dic
 
 def measure_overhead(table: CostTable, tp: int, *, timeout_s: float = 300.0) -> dict[str, Any]:
     """``table``'s overhead entry for TP ``tp``, measured on ``tp`` local ranks (~15-25 s)."""
-    from deinfer_megatron.launch.local import spawn_local
 
     job = OverheadJob(tp, table.key.threads, _layouts())
     per_rank = spawn_local(tp, overhead_worker, job, timeout=timeout_s)

@@ -24,6 +24,7 @@ from deinfer_megatron.layers.core_attention import MEGATRON
 from deinfer_megatron.layers.costs import Cost
 from deinfer_megatron.layers.dense import dense_attention_cost, dense_mlp_cost
 from deinfer_megatron.layers.factored_linear import factored_mlp_cost
+from deinfer_megatron.models.build import padded_vocab_size
 from deinfer_megatron.parallel.topology import TPView
 from deinfer_megatron.specs.builder import (factored_attention_submodules, require_dense_attention_fits,
                                             require_dense_mlp_fits)
@@ -219,7 +220,6 @@ def make_plan(
     """Plan every layer of ``arch`` for ``layout`` (one layout, or a plan with one per block)
     at TP ``tp`` and PP ``pp``, sizes that split the model (``check_parallel_sizes``, checked
     where a command reads them)."""
-    from deinfer_megatron.models.build import padded_vocab_size
 
     assert tp >= 1 and pp >= 1 and arch.num_layers % pp == 0, f"unchecked sizes --tp {tp} --pp {pp}"
     plan = as_plan(layout, arch.num_layers)

@@ -36,7 +36,8 @@ from deinfer_megatron.launch.run import global_rank, run_on_ranks
 from deinfer_megatron.models.build import Stage, load_folder
 from deinfer_megatron.parallel.runtime import ParallelGroups, init_parallel, shutdown
 from deinfer_megatron.parallel.topology import check_parallel_sizes
-from deinfer_megatron.planning.auto import Workload, resolve_layout, unpriced_plan
+from deinfer_megatron.planning.auto import resolve_layout, unpriced_plan
+from deinfer_megatron.planning.pricing import Workload
 from deinfer_megatron.planning.preflight import Footprint, MemoryBudget
 from deinfer_megatron.runtime.agree import plan_in_job, plan_on_rank0
 from deinfer_megatron.runtime.engines import driven_by

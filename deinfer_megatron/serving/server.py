@@ -37,10 +37,13 @@ from deinfer_megatron.generation.options import CacheOptions
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.layers.slot_cache import SlotContext
 from deinfer_megatron.parallel import comm
-from deinfer_megatron.planning.auto import Workload
+from deinfer_megatron.planning.pricing import Workload
 from deinfer_megatron.planning.preflight import Footprint
 from deinfer_megatron.runtime.job import RankContext, check_job, prepare, run_prepared
 from deinfer_megatron.runtime.options import DType, Engine, Parallelism
+from deinfer_megatron.serving.http import ServerState, build_app
+from deinfer_megatron.serving.metrics import ServerMetrics
+from deinfer_megatron.serving.scheduler import Scheduler
 from deinfer_megatron.serving.step import StepPlan, StepRunner, exchange_plan
 from deinfer_megatron.specs.layout import LayoutPlan, factored_layouts, latent_cache_layouts
 from deinfer_megatron.specs.rank_config import RankConfig
@@ -160,9 +163,6 @@ class _Lead:
     def __init__(self, job: ServeJob, runner: StepRunner, slots: int, tokens_per_slot: int, kv_bytes: int) -> None:
         import transformers
 
-        from deinfer_megatron.serving.metrics import ServerMetrics
-        from deinfer_megatron.serving.scheduler import Scheduler
-
         self.job, self.runner = job, runner
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(job.model)
         self.tokenizer_lock = threading.Lock()  # HF tokenizers are used by two threads here
@@ -189,8 +189,6 @@ class _Lead:
     def start_http(self, sock: socket.socket) -> None:
         """uvicorn on ``sock`` (bound by ``listen``) in a thread of its own."""
         import uvicorn
-
-        from deinfer_megatron.serving.http import ServerState, build_app
 
         state = ServerState(scheduler=self.scheduler, encode=self.encode, model_name=self.job.model_name,
                             api_key=self.job.api_key, metrics=self.metrics,

@@ -10,14 +10,13 @@ or none: a block is one Megatron module whose layout is decided as a whole.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 from deinfer_megatron.arch.model import ModelArch
 from deinfer_megatron.arch.ranks import AttentionRanks, LayerRanks, MlpRanks
+from deinfer_megatron.files.staging import write_atomic
 
 
 @dataclass(frozen=True)
@@ -72,12 +71,8 @@ class RankConfig:
         return cls.from_mapping(mapping, arch, source=str(path))
 
     def save(self, path: str | Path) -> None:
-        """Write the JSON mapping atomically (temp file, then rename)."""
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "w") as f:
-            json.dump(dict(self.modules), f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        """Write the JSON mapping atomically (``files.staging.write_atomic``)."""
+        write_atomic(Path(path), json.dumps(dict(self.modules), indent=1, sort_keys=True))
 
 
 def _block(

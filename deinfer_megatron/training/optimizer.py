@@ -25,6 +25,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from deinfer_megatron.parallel import comm
+
 
 @dataclass(frozen=True)
 class OptimizerConfig:
@@ -104,7 +106,6 @@ def clip_by_global_norm(params: Sequence[torch.nn.Parameter], max_norm: float,
     """The L2 norm of all gradients of the model (every rank's ``params``, each counted once,
     summed over ``mp_group``: TP × PP), and the gradients scaled down to ``max_norm`` if it is
     larger (``max_norm`` 0: measured, not clipped). Returns the norm before clipping."""
-    from deinfer_megatron.parallel import comm
 
     grads = [p.grad for p in params if p.grad is not None]
     counted = [p.grad for p in params if p.grad is not None and counted_once(p, tp_group)]

@@ -15,7 +15,7 @@ import pytest
 from deinfer_megatron.decompose.allocation import uniform_ranks
 from deinfer_megatron.models.synthetic import synthetic_arch
 from deinfer_megatron.planning import cost_model
-from deinfer_megatron.planning.auto import Workload, choose_layouts
+from deinfer_megatron.planning.pricing import Workload, choose_layouts
 from deinfer_megatron.specs.layout import Layout
 from deinfer_megatron.specs.rank_config import RankConfig
 from tests.helpers.cost_tables import latency_only, with_free_shapes

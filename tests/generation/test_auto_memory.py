@@ -1,6 +1,6 @@
 """``--layout auto`` (generate's default) never refuses a job that a fixed layout fits: where the
 plan the cost model prefers needs more memory than the machine has, the job gets the fastest
-fixed layout that fits (``planning.auto.within_memory``), priced by the same table; where no
+fixed layout that fits (``planning.pricing.within_memory``), priced by the same table; where no
 layout fits, nothing is priced and the fallback's memory check says why (``resolve_layout``)."""
 
 from __future__ import annotations

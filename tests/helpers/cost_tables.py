@@ -55,7 +55,7 @@ def fake_measure_attention(dtype: str, cases, *, threads: int) -> dict:
 
 def free_attention(arch, rank_config, work) -> dict[str, list[list[float]]]:
     """``CostTable.attention`` rows at zero seconds for every attention ``work``'s plan prices."""
-    from deinfer_megatron.planning.auto import required_attention
+    from deinfer_megatron.planning.pricing import required_attention
     from deinfer_megatron.planning.cost_model import attention_cases, attention_key
 
     out: dict[str, list[list[float]]] = {}
@@ -71,7 +71,7 @@ def with_free_shapes(table: CostTable, arch, rank_config, *, tp: int, batches, c
     and only what the table itself prices costs time."""
     from dataclasses import replace
 
-    from deinfer_megatron.planning.auto import Workload, required_gemms
+    from deinfer_megatron.planning.pricing import Workload, required_gemms
     from deinfer_megatron.planning.cost_model import shape_key
 
     shapes, attention = dict(table.shapes), dict(table.attention)

@@ -69,7 +69,7 @@ os.replace(tmp, sys.argv[2])
 
 _TRANSPORTS = """
 import json, sys
-from deinfer_megatron.bench.report import write_atomic
+from deinfer_megatron.files.staging import write_atomic
 from deinfer_megatron.bench.transports import SIZES, worker
 result = worker(tuple(n for n in SIZES if n <= int(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3]))
 write_atomic(sys.argv[4], json.dumps(result))
@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     from deinfer_megatron.bench.sources import synthetic_source
     from deinfer_megatron.layers.kv_cache import CacheKind
     from deinfer_megatron.cli.bench_cmd import profiled_and_predicted
+    from deinfer_megatron.files.staging import write_atomic
     from deinfer_megatron.planning.request import AUTO, LayoutRequest
 
     p = argparse.ArgumentParser(prog="python -m tests.helpers.netns_bench", description=__doc__.split("\n")[0])
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"link {a.rate}, {a.repeats} rounds of 20 calls, median µs per collective")
         print(markdown(result), end="")
         if a.json is not None:
-            report.write_atomic(a.json, json.dumps(result, indent=1))
+            write_atomic(a.json, json.dumps(result, indent=1))
         return 0
     grid = matrix.BenchGrid(synthetic=a.synthetic, ratio=a.ratio,
                             layouts=tuple(LayoutRequest.parse(x) for x in a.layouts.split(",")),
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json is not None:
         doc = {"rate": a.rate, "collectives": a.collectives, "link_collectives": grid.collectives, "cells": [r.to_json() for r in records],
                "comparisons": [c.to_json() for c in comparisons], "load_avg": os.getloadavg()}
-        report.write_atomic(a.json, json.dumps(doc, indent=1))
+        write_atomic(a.json, json.dumps(doc, indent=1))
     return 1 if any(r.status is CellStatus.ERROR for r in records) else 0
 
 

@@ -29,7 +29,7 @@ NEW_TOKENS = 6
 def planted(tmp_path_factory) -> dict:
     from deinfer_megatron.checkpoints.folder import open_config
     from deinfer_megatron.planning import cost_model
-    from deinfer_megatron.planning.auto import Workload, choose_layouts
+    from deinfer_megatron.planning.pricing import Workload, choose_layouts
 
     root = tmp_path_factory.mktemp("auto-agree")
     hf, _, dec = full_rank_folders(root, max_position_embeddings=4096)

@@ -120,7 +120,7 @@ def test_auto_across_namespaces_prices_the_jobs_own_link(tmp_path) -> None:
 
     from deinfer_megatron.checkpoints.folder import open_config
     from deinfer_megatron.planning import cost_model
-    from deinfer_megatron.planning.auto import Workload, choose_layouts, required_gemms
+    from deinfer_megatron.planning.pricing import Workload, choose_layouts, required_gemms
     from tests.helpers.cost_tables import FREE, _gemm, free_attention
 
     model, ids, expected = _model_and_hf_tokens(tmp_path)

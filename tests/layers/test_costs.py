@@ -25,7 +25,7 @@ from deinfer_megatron.layers.core_attention import MEGATRON, SDPA, SdpaCoreAtten
 from deinfer_megatron.layers.costs import Attend
 from deinfer_megatron.layers.factored_linear import factored_mlp_cost
 from deinfer_megatron.parallel.topology import TPView
-from deinfer_megatron.planning.auto import layout_costs
+from deinfer_megatron.planning.pricing import layout_costs
 from deinfer_megatron.specs.builder import factored_attention_submodules
 from deinfer_megatron.specs.layout import Layout
 from deinfer_megatron.specs.rank_config import RankConfig

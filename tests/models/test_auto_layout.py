@@ -31,7 +31,7 @@ def auto_worker() -> dict[str, Any]:
     from deinfer_megatron.models.build import build_stage, load_weights
     from deinfer_megatron.models.pipeline import stage_forward
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
-    from deinfer_megatron.planning.auto import Workload, choose_layouts
+    from deinfer_megatron.planning.pricing import Workload, choose_layouts
     from deinfer_megatron.runtime.agree import agreed_plan, plan_on_rank0
     from deinfer_megatron.specs.layout import Layout, LayoutPlan
     from deinfer_megatron.specs.rank_config import RankConfig

@@ -17,8 +17,8 @@ import torch
 from deinfer_megatron.arch.model import arch_from_hf_config
 from deinfer_megatron.layers.core_attention import MEGATRON, SDPA, standalone_core
 from deinfer_megatron.layers.costs import Attend, Cost
-from deinfer_megatron.planning import calibrate, cost_model
-from deinfer_megatron.planning.auto import Workload, block_seconds, choose_layouts, required_attention
+from deinfer_megatron.planning import calibrate, cost_model, host
+from deinfer_megatron.planning.pricing import Workload, block_seconds, choose_layouts, required_attention
 from deinfer_megatron.planning.cost_model import (ATTENTION_COPY_BYTES, TableKey, attention_batch,
                                                  attention_key, load_cached, cache_path)
 from deinfer_megatron.specs.rank_config import RankConfig
@@ -124,11 +124,11 @@ def test_host_table_times_missing_attention_once(tmp_path, monkeypatch) -> None:
     key = TableKey.current(1)
     cost_model.save(replace(params_only(), key=key, overhead=zero_overhead(2)), cache_path(key, tmp_path))
     need = {(Attend(SDPA, 4, 2, 16), 3, 100)}
-    table = cost_model.host_table(tp=2, threads=1, root=tmp_path, attention=need)
+    table = host.host_table(tp=2, threads=1, root=tmp_path, attention=need)
     assert timed == [need]
     assert table.attention_seconds("float32", Attend(SDPA, 4, 2, 16), 3, 100) == pytest.approx(1e-9 * 300)
     assert load_cached(cache_path(key, tmp_path), key) == table, "cached for the next job"
-    cost_model.host_table(tp=2, threads=1, root=tmp_path, attention=need)
+    host.host_table(tp=2, threads=1, root=tmp_path, attention=need)
     assert len(timed) == 1, "a timed case is not timed again"
 
 

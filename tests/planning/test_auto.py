@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 
 from deinfer_megatron.arch.model import arch_from_hf_config
-from deinfer_megatron.planning import cost_model
-from deinfer_megatron.planning.auto import Workload, choose_layouts
+from deinfer_megatron.planning import host
+from deinfer_megatron.planning.pricing import Workload, choose_layouts
 from deinfer_megatron.planning.cost_model import TableKey, cache_path, load_cached, save
 from deinfer_megatron.specs.layout import Layout
 from deinfer_megatron.specs.rank_config import RankConfig
@@ -147,15 +147,15 @@ def test_cache_of_another_host_or_version_is_ignored(tmp_path, monkeypatch, capl
     monkeypatch.setattr("deinfer_megatron.planning.overhead.measure_overhead",
                         lambda t, tp: zero_overhead(tp)[str(tp)])
     path.write_text(json.dumps(replace(table, key=replace(key, host="elsewhere")).to_json()))
-    with caplog.at_level(logging.INFO, logger="deinfer_megatron.planning.cost_model"):
-        assert cost_model.host_table(tp=2, threads=1, root=tmp_path).key == key
+    with caplog.at_level(logging.INFO, logger="deinfer_megatron.planning"):
+        assert host.host_table(tp=2, threads=1, root=tmp_path).key == key
     assert calls == [(key, True)]
     said = [r.getMessage() for r in caplog.records if "measuring this machine's cost table once" in r.getMessage()]
     assert len(said) == 1 and str(path) in said[0] and "framework time at TP=2" in said[0], said
     assert load_cached(path, key).key == key
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="deinfer_megatron.planning.cost_model"):
-        cost_model.host_table(tp=2, threads=1, root=tmp_path)  # now cached: not measured again
+    with caplog.at_level(logging.INFO, logger="deinfer_megatron.planning"):
+        host.host_table(tp=2, threads=1, root=tmp_path)  # now cached: not measured again
     assert len(calls) == 1 and not caplog.records
 
 

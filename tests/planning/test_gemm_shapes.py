@@ -13,8 +13,8 @@ import pytest
 
 from deinfer_megatron.arch.model import arch_from_hf_config
 from deinfer_megatron.layers.costs import Gemm
-from deinfer_megatron.planning import cost_model
-from deinfer_megatron.planning.auto import Workload, choose_layouts, required_gemms
+from deinfer_megatron.planning import cost_model, host
+from deinfer_megatron.planning.pricing import Workload, choose_layouts, required_gemms
 from deinfer_megatron.planning.calibrate import measure_shapes
 from deinfer_megatron.planning.cost_model import TableKey, cache_path, load_cached, shape_key, shape_seconds
 from deinfer_megatron.specs.rank_config import RankConfig
@@ -102,11 +102,11 @@ def test_previous_format_ignored_and_only_missing_shapes_measured(tmp_path, monk
     monkeypatch.setattr("deinfer_megatron.planning.overhead.measure_overhead",
                         lambda t, tp: zero_overhead(tp)[str(tp)])
     g = Gemm(2048, 901)
-    cost_model.host_table(tp=2, threads=1, root=tmp_path, gemms={(g, 8)})
+    host.host_table(tp=2, threads=1, root=tmp_path, gemms={(g, 8)})
     assert len(asked) == 2 and asked[1] == {(g, 8)}, "the overhead fit's shapes, then the plan's"
-    cost_model.host_table(tp=2, threads=1, root=tmp_path, gemms={(g, 8)})
+    host.host_table(tp=2, threads=1, root=tmp_path, gemms={(g, 8)})
     assert len(asked) == 2, "cached: not measured again"
-    table = cost_model.host_table(tp=2, threads=1, root=tmp_path, gemms={(g, 8), (g, 32)})
+    table = host.host_table(tp=2, threads=1, root=tmp_path, gemms={(g, 8), (g, 32)})
     assert asked[2] == {(g, 32)}
     assert load_cached(path, key).shapes[shape_key("float32", g)] == [[8.0, 8e-6], [32.0, 32e-6]] == \
         table.shapes[shape_key("float32", g)]

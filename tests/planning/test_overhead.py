@@ -12,8 +12,8 @@ from dataclasses import asdict, replace
 import pytest
 
 from deinfer_megatron.arch.model import arch_from_hf_config
-from deinfer_megatron.planning import cost_model, overhead
-from deinfer_megatron.planning.auto import Workload, choose_layouts
+from deinfer_megatron.planning import cost_model, host, overhead
+from deinfer_megatron.planning.pricing import Workload, choose_layouts
 from deinfer_megatron.planning.cost_model import TableKey, cache_path, load_cached
 from deinfer_megatron.specs.layout import Layout
 from deinfer_megatron.specs.rank_config import RankConfig
@@ -76,7 +76,7 @@ def test_fit_recovers_known_fixed_costs() -> None:
     the fixed cost (the extrapolation to zero size)."""
     from deinfer_megatron.arch.model import transformer_config
     from deinfer_megatron.parallel.topology import TPView
-    from deinfer_megatron.planning.auto import layout_costs, outside_seconds
+    from deinfer_megatron.planning.pricing import layout_costs, outside_seconds
 
     table, tp, slope = params_only(), 2, 3e-9
     work = Workload(tp=tp, batch=1, context=overhead.PROMPT + overhead.NEW_TOKENS // 2)
@@ -124,11 +124,11 @@ def test_cache_of_the_previous_format_is_ignored(tmp_path, monkeypatch) -> None:
                         lambda k, *, collectives: replace(params_only(), key=k))
     monkeypatch.setattr("deinfer_megatron.planning.overhead.measure_overhead",
                         lambda t, tp: measured.append(tp) or zero_overhead(tp)[str(tp)])
-    table = cost_model.host_table(tp=2, threads=1, root=tmp_path)
+    table = host.host_table(tp=2, threads=1, root=tmp_path)
     assert measured == [2] and table.overhead == zero_overhead(2)
     assert load_cached(path, key) == table
-    cost_model.host_table(tp=4, threads=1, root=tmp_path)  # another TP size: its own overhead, once
-    cost_model.host_table(tp=4, threads=1, root=tmp_path)
+    host.host_table(tp=4, threads=1, root=tmp_path)  # another TP size: its own overhead, once
+    host.host_table(tp=4, threads=1, root=tmp_path)
     assert measured == [2, 4] and set(load_cached(path, key).overhead) == {"2", "4"}
 
 
@@ -176,8 +176,8 @@ def test_a_failed_calibration_is_one_line_and_auto_falls_back(tmp_path, monkeypa
     monkeypatch.setattr("deinfer_megatron.planning.calibrate.calibrate",
                         lambda k, *, collectives: replace(params_only(), key=k))
     monkeypatch.setattr("deinfer_megatron.planning.overhead.measure_overhead", broken)
-    with pytest.raises(cost_model.CalibrationFailed) as err:
-        cost_model.host_table(tp=3, threads=1, root=tmp_path)
+    with pytest.raises(host.CalibrationFailed) as err:
+        host.host_table(tp=3, threads=1, root=tmp_path)
     assert "\n" not in str(err.value) and "framework time at TP=3" in str(err.value)
     assert str(err.value).endswith("RankFailed: rank 1 failed with ValueError: heads do not split")
     assert not list(tmp_path.iterdir()), "nothing is cached from a failed measurement"
