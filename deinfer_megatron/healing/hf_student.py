@@ -24,7 +24,7 @@ from torch import nn
 from deinfer_megatron.checkpoints.folder import ModelFolder
 from deinfer_megatron.healing.blocks import block_loss, teacher_layer_io
 from deinfer_megatron.healing.loss import distill_loss
-from deinfer_megatron.healing.student import StepOutcome
+from deinfer_megatron.healing.student import STEP_KINDS, StepOutcome
 from deinfer_megatron.models.hf_factored import folder_tensors, hf_model
 from deinfer_megatron.training import OptimizerConfig, make_optimizer
 
@@ -82,7 +82,7 @@ class HFStudent:
                 teacher_s = time.perf_counter() - t0
                 loss, parts = distill_loss(self.model(ids).logits, target, ids, self.ce_weight)
             else:
-                raise ValueError(f"unknown step kind {kind!r}; choose logits or blocks")
+                raise ValueError(f"unknown step kind {kind!r}; choose one of {', '.join(STEP_KINDS)}")
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.clip or math.inf, foreach=False)

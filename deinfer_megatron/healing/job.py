@@ -199,8 +199,7 @@ def _data(job: HealJob, folder: Path, teacher: torch.nn.Module | None = None) ->
     """The run's windows: the saved ones on a resume, else built (the teacher is loaded here if
     conversations must be written and none was given) and saved before ``job.json``."""
     if job.resume:
-        saved = run_state.load_torch(folder / "data.pt")
-        return HealData(saved["windows"], saved["sources"])
+        return _saved_data(folder)
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(job.teacher)
@@ -216,10 +215,12 @@ def _data(job: HealJob, folder: Path, teacher: torch.nn.Module | None = None) ->
 
 def _rank_data(job: HealJob, folder: Path, rank: int) -> HealData:
     """Rank 0 builds (or, resuming, reads) the windows; the others read what it saved."""
-    if rank == 0:
-        return _data(job, folder)
-    saved = run_state.load_torch(folder / "data.pt")
-    return HealData(saved["windows"], saved["sources"])
+    return _data(job, folder) if rank == 0 else _saved_data(folder)
+
+
+def _saved_data(folder: Path) -> HealData:
+    """The windows (and their sources) the run saved in ``data.pt``."""
+    return HealData(**run_state.load_torch(folder / "data.pt"))
 
 
 def _held_out(job: HealJob, max_positions: int) -> HeldOut | None:
@@ -269,14 +270,13 @@ def run_heal(job: HealJob) -> dict[str, Any] | None:
         healed = _heal_in_process(job, folder, dec)
         tensors = hf_student.read_final(folder / FINAL)
     records, teacher_eval = healed.records, healed.teacher_eval
-    saved = run_state.load_torch(folder / "data.pt")
-    sources, data_count = saved["sources"], sum(w.shape[0] for w in saved["windows"])
+    data = _saved_data(folder)
     steps = records[-1]["step"] if records else 0
     kl = [r["kl"] for r in records if "kl" in r]
     tail = kl[-min(10, len(kl)):]
     summary = {
         "teacher": str(job.teacher), "student": str(job.model),
-        "data": sources, "windows": data_count, "seq_len": job.seq_len,
+        "data": data.sources, "windows": data.count, "seq_len": job.seq_len,
         "tp": job.tp, "pp": job.pp, "layout": job.layout if job.distill == "logits" else None,
         "steps": steps, "tokens": steps * job.batch * job.seq_len,
         "distill": job.distill,
