@@ -18,19 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
-from torch import nn
 
-from deinfer_megatron.models.hf_factored import FactorLinears, hf_model
-
-
-def student(folder: Path) -> nn.Module:
-    """The decomposed folder as Hugging Face + ``nn.Linear`` factor pairs (the package's builder,
-    also the bench's ``hf`` peer), with only the factor pairs trainable."""
-    model = hf_model(folder)
-    for module in model.modules():
-        if isinstance(module, FactorLinears):
-            module.requires_grad_(True)
-    return model.train()
+from deinfer_megatron.models.hf_factored import hf_model
 
 
 def main() -> None:
@@ -48,7 +37,7 @@ def main() -> None:
     ids = tok(a.text.read_text(), add_special_tokens=False)["input_ids"]
     n = a.batch * a.seq_len
     teacher = transformers.AutoModelForCausalLM.from_pretrained(a.teacher, dtype=torch.float32).eval()
-    model = student(a.model)
+    model = hf_model(a.model, trainable="factors")  # the package's builder: heal's one-process student, bench's hf peer
     params = [q for q in model.parameters() if q.requires_grad]
     optim = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95))
     for step in range(a.steps):

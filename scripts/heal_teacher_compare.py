@@ -10,7 +10,7 @@ alternative stores, for every training window, the teacher's ``k`` most likely n
 ``4 · vocab``) and then runs only the student per step. This script times both at TP=1 in one
 process with the project's own pieces (``models.build.load_folder`` for both models,
 ``training.Trainer`` for the student step, ``healing.loss`` for the losses — what ``heal``
-runs, ``healing/ranks.py``):
+runs, ``healing/megatron_student.py``):
 
 - (a) ``in_ranks``: teacher forward, then the student's forward and backward, KL over the full
   vocabulary (``healing.loss.distill_loss``), the optimizer step;
@@ -97,7 +97,7 @@ def check(s: Settings) -> None:
     """Every bad input, before a model is built (one ``ValueError`` line each)."""
     from deinfer_megatron.arch.model import load_arch
     from deinfer_megatron.files.text import read_text
-    from deinfer_megatron.healing.job import HealJob, _check_models
+    from deinfer_megatron.healing.job import HealJob, check_models
 
     for flag, value in (("--k", s.k), ("--steps", s.steps), ("--batch", s.batch), ("--seq-len", s.seq_len),
                         ("--max-tokens", s.max_tokens)):
@@ -107,7 +107,7 @@ def check(s: Settings) -> None:
         raise ValueError(f"--skip must be at least 0 and less than --steps ({s.steps}), got {s.skip}")
     if not s.lr > 0:
         raise ValueError(f"--lr must be > 0, got {s.lr}")
-    _check_models(HealJob(model=s.model, teacher=s.teacher, out=Path("unused")))  # folders, arch, tokenizer
+    check_models(HealJob(model=s.model, teacher=s.teacher, out=Path("unused")))  # folders, arch, tokenizer
     arch = load_arch(s.teacher)
     if s.k > arch.vocab_size:
         raise ValueError(f"--k must be at most the vocabulary ({arch.vocab_size}), got {s.k}")

@@ -6,9 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from deinfer_megatron.healing.job import DTYPES, LAYOUTS, HealJob, run_heal
+from deinfer_megatron.healing.job import DTYPES, LAYOUTS, TRAINABLE, HealJob, run_heal
 from deinfer_megatron.healing.loop import DISTILL
-from deinfer_megatron.healing.student import TRAINABLE
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -1,7 +1,10 @@
 """The ``heal`` job: a decomposed folder and its dense teacher in, a healed decomposed folder out.
 
 Everything a user can get wrong is checked before a model is loaded (paths, budget, output,
-teacher/student mismatch). The healed folder is written like ``decompose`` writes one
+teacher/student mismatch). Then the job picks the student — the Megatron stage on TP×PP ranks
+for ``--distill logits`` (``healing.megatron_student``), the Hugging Face factor-pair model in
+this process for the block-wise modes (``healing.hf_student``) — and both run the one loop
+(``healing.loop``). The healed folder is written like ``decompose`` writes one
 (``checkpoints.folder.write_decomposed``: staged, manifest last, one rename), with the
 decomposition's manifest entries kept and a ``healing`` entry added, so every command that
 reads a decomposed folder reads it unchanged.
@@ -14,24 +17,30 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from deinfer_megatron.arch.model import load_arch
-from deinfer_megatron.checkpoints.folder import RANK_CONFIG, is_project_folder, open_model, write_decomposed
+from deinfer_megatron.checkpoints.folder import (RANK_CONFIG, ModelFolder, is_project_folder, open_model,
+                                                 write_decomposed)
+from deinfer_megatron.files.checksums import sha256
 from deinfer_megatron.files.staging import claim_output
 from deinfer_megatron.files.text import read_text
+from deinfer_megatron.healing import hf_student, megatron_student
 from deinfer_megatron.healing import state as run_state
 from deinfer_megatron.healing.data import HealData, build_data
-from deinfer_megatron.healing.loop import DISTILL, LoopSettings, train
-from deinfer_megatron.healing.ranks import FINAL, RankSettings, heal_on_ranks
+from deinfer_megatron.healing.hf_student import HFStudent, load_teacher
+from deinfer_megatron.healing.loop import DISTILL, Healed, LoopSettings, train
+from deinfer_megatron.healing.megatron_student import RankSettings, heal_on_ranks
+from deinfer_megatron.healing.state import FINAL
 from deinfer_megatron.healing.watch import HeldOut
+from deinfer_megatron.models.hf_factored import TRAINABLE
 from deinfer_megatron.runtime.job import Prepared, prepare, run_prepared
 from deinfer_megatron.runtime.options import Parallelism
 from deinfer_megatron.specs.layout import factored_layouts
-from deinfer_megatron.healing.student import TRAINABLE, load_student, load_teacher, student_tensors, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 DTYPES = ("float32", "bfloat16")
@@ -125,7 +134,14 @@ def _check_numbers(job: HealJob) -> None:
         raise ValueError(f"--calib-self must be a positive number of conversations, got {job.calib_self}")
 
 
-def _check_models(job: HealJob) -> None:
+def tokenizer_fingerprint(folder: Path) -> str | None:
+    """What makes two tokenizers the same: the SHA-256 of ``tokenizer.json`` (None without one)."""
+    f = Path(folder) / "tokenizer.json"
+    return sha256(f) if f.is_file() else None
+
+
+def check_models(job: HealJob) -> None:
+    """The student is decomposed, the teacher dense, and both one architecture and tokenizer."""
     for flag, path in (("--model", job.model), ("--teacher", job.teacher)):
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{flag} {path} is not a model folder (no config.json)")
@@ -171,7 +187,7 @@ def validate(job: HealJob) -> tuple[Path, Prepared | None]:
     distillation on ranks, the student's prepared rank job (``runtime.job``: TP/PP sizes, plan,
     memory)."""
     _check_numbers(job)
-    _check_models(job)
+    check_models(job)
     for flag, paths in (("--calib-text", job.calib_text), ("--eval-text", job.eval_text)):
         for path in paths:
             read_text(path, flag, max_chars=1000)
@@ -183,8 +199,7 @@ def _data(job: HealJob, folder: Path, teacher: torch.nn.Module | None = None) ->
     """The run's windows: the saved ones on a resume, else built (the teacher is loaded here if
     conversations must be written and none was given) and saved before ``job.json``."""
     if job.resume:
-        saved = run_state.load_torch(folder / "data.pt")
-        return HealData(saved["windows"], saved["sources"])
+        return _saved_data(folder)
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(job.teacher)
@@ -200,10 +215,12 @@ def _data(job: HealJob, folder: Path, teacher: torch.nn.Module | None = None) ->
 
 def _rank_data(job: HealJob, folder: Path, rank: int) -> HealData:
     """Rank 0 builds (or, resuming, reads) the windows; the others read what it saved."""
-    if rank == 0:
-        return _data(job, folder)
-    saved = run_state.load_torch(folder / "data.pt")
-    return HealData(saved["windows"], saved["sources"])
+    return _data(job, folder) if rank == 0 else _saved_data(folder)
+
+
+def _saved_data(folder: Path) -> HealData:
+    """The windows (and their sources) the run saved in ``data.pt``."""
+    return HealData(**run_state.load_torch(folder / "data.pt"))
 
 
 def _held_out(job: HealJob, max_positions: int) -> HeldOut | None:
@@ -221,75 +238,45 @@ def _rank_settings(job: HealJob, folder: Path) -> RankSettings:
                         json_log=job.json_log, resume=job.resume)
 
 
-def _parallel_heal(job: HealJob, folder: Path, dec: Any, prepared: Prepared
-                   ) -> tuple[dict[str, torch.Tensor], list, Any, list] | None:
-    """Logit distillation of the Megatron student on TP×PP ranks; None on ranks other than 0."""
-    from functools import partial
-
-    from deinfer_megatron.checkpoints.dist_checkpoint import read_hf_tensors
-
-    result = run_prepared(prepared, heal_on_ranks, partial(_rank_data, job, folder),
-                          _held_out(job, dec.arch.max_positions))
-    if result is None:
-        return None
-    tensors = read_hf_tensors(folder / FINAL, dec.arch, dec.rank_config)
-    names = set(dec.source)
-    missing = names - set(tensors)
-    assert not missing, f"the healed checkpoint lacks {sorted(missing)[:3]}"
-    saved = run_state.load_torch(folder / "data.pt")
-    return ({k: tensors[k].contiguous() for k in dec.source}, result["records"], result["teacher_eval"],
-            saved["sources"])
-
-
-def _one_process_heal(job: HealJob, folder: Path, dec: Any, on_record: Callable[[dict[str, Any]], None] | None
-                      ) -> tuple[dict[str, torch.Tensor], list, Any, list]:
-    """Block-wise distillation (and blocks-then-logits) of the Hugging Face factor-pair student."""
+def _heal_in_process(job: HealJob, folder: Path, dec: ModelFolder) -> Healed:
+    """The block-wise modes: the Hugging Face factor-pair student and its teacher in this process."""
     teacher = load_teacher(job.teacher)
     data = _data(job, folder, teacher)
-    student, names = load_student(dec, job.train)
-    start = run_state.load_torch(folder / "state.pt") if job.resume and (folder / "state.pt").is_file() else None
-    held_out = _held_out(job, dec.arch.max_positions)
-    teacher_eval = held_out.perplexity(teacher) if held_out is not None else None
-    log_file = None
-    if job.json_log is not None:
-        log_file = open(job.json_log, "w", encoding="utf-8")
-        for record in (start or {}).get("records", []):
-            log_file.write(json.dumps(record) + "\n")
-    try:
-        records = train(student, teacher, names, data, job.loop_settings(), state_folder=folder, start=start,
-                        log=log_file, on_record=on_record,
-                        evaluate=held_out.perplexity if held_out is not None else None)
-    finally:
-        if log_file is not None:
-            log_file.close()
-    return student_tensors(student, dec.arch.tied_embeddings), records, teacher_eval, data.sources
+    settings = job.loop_settings()
+    student = HFStudent(dec, teacher, train=job.train, optimizer=settings.optimizer(),
+                        ce_weight=job.ce_weight, bf16=settings.bf16)
+    return train(student, data, settings, state_folder=folder, resume=job.resume, log=job.json_log,
+                 held_out=_held_out(job, dec.arch.max_positions))
 
 
-def run_heal(job: HealJob, on_record: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any] | None:
+def run_heal(job: HealJob) -> dict[str, Any] | None:
     """Heal ``job.model`` and write ``job.out``; returns a summary (also in the manifest) on the
     process that reports (global rank 0 under a launcher) and None on the other ranks.
 
     ``--distill logits`` trains the project's Megatron student on ``tp × pp`` ranks
-    (``healing.ranks``); the block-wise modes train the Hugging Face factor-pair student in
-    this process (``healing.loop``), and only they call ``on_record`` with every step."""
+    (``healing.megatron_student``); the block-wise modes train the Hugging Face factor-pair
+    student in this process (``healing.hf_student``). Both run ``healing.loop.train``."""
     folder, prepared = validate(job)
     torch.manual_seed(job.seed)
     start_time = time.perf_counter()
     dec = open_model(job.model)
     if prepared is not None:
-        done = _parallel_heal(job, folder, dec, prepared)
-        if done is None:
+        healed = run_prepared(prepared, heal_on_ranks, partial(_rank_data, job, folder),
+                              _held_out(job, dec.arch.max_positions))
+        if healed is None:
             return None
-        tensors, records, teacher_eval, sources = done
+        tensors = megatron_student.read_final(folder / FINAL, dec)
     else:
-        tensors, records, teacher_eval, sources = _one_process_heal(job, folder, dec, on_record)
-    data_count = sum(w.shape[0] for w in run_state.load_torch(folder / "data.pt")["windows"])
+        healed = _heal_in_process(job, folder, dec)
+        tensors = hf_student.read_final(folder / FINAL)
+    records, teacher_eval = healed.records, healed.teacher_eval
+    data = _saved_data(folder)
     steps = records[-1]["step"] if records else 0
     kl = [r["kl"] for r in records if "kl" in r]
     tail = kl[-min(10, len(kl)):]
     summary = {
         "teacher": str(job.teacher), "student": str(job.model),
-        "data": sources, "windows": data_count, "seq_len": job.seq_len,
+        "data": data.sources, "windows": data.count, "seq_len": job.seq_len,
         "tp": job.tp, "pp": job.pp, "layout": job.layout if job.distill == "logits" else None,
         "steps": steps, "tokens": steps * job.batch * job.seq_len,
         "distill": job.distill,

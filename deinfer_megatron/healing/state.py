@@ -1,10 +1,13 @@
 """A heal run's resumable state, kept beside ``--out`` until the healed folder is published.
 
 ``.<out name>.heal-state/`` holds ``job.json`` (the settings that must not change on a
-resume), ``data.pt`` (the pooled token windows, so a resume never re-samples the teacher) and
-``state.pt`` (step, trainable weights, AdamW moments, the log so far). Each file is written to
-a temporary name and renamed over the old one, so a kill at any moment leaves the previous
-complete checkpoint. The folder is removed once the healed model is published.
+resume), ``data.pt`` (the pooled token windows, so a resume never re-samples the teacher), the
+last complete checkpoint ``checkpoint/`` (the student's files, whatever they are, and
+``meta.pt``) and, at the end, ``final/`` (the healed weights, read by the command's process).
+Files are written to a temporary name and renamed; a checkpoint is staged whole in
+``checkpoint.tmp/``, ``meta.pt`` last, and swapped in by two renames — so a kill at any moment
+leaves the previous complete checkpoint (as ``checkpoint.old/`` between the two renames). The
+folder is removed once the healed model is published.
 """
 
 from __future__ import annotations
@@ -18,6 +21,11 @@ from typing import Any
 import torch
 
 from deinfer_megatron.files import failpoints
+
+CHECKPOINT = "checkpoint"  # the last complete checkpoint, inside the state folder
+FINAL = "final"  # the healed weights, written by the student, read by the command's process
+STAGED = f"{CHECKPOINT}.tmp"  # a checkpoint being written
+META = "meta.pt"  # a checkpoint's step, log so far, elapsed time and schedule length
 
 
 def state_dir(out: Path) -> Path:
@@ -58,10 +66,31 @@ def check_same_job(folder: Path, settings: dict[str, Any]) -> None:
                              f"{saved.get(key)!r}); give the same settings, or remove {folder} to start over")
 
 
-def save_checkpoint(folder: Path, step: int, params: dict[str, torch.Tensor], optim: Any,
-                    records: list[dict[str, Any]], elapsed: float) -> None:
-    save_torch(folder / "state.pt", {"step": step, "params": params, "optim": optim,
-                                     "records": records, "elapsed": elapsed})
+def checkpoint_dir(folder: Path) -> Path | None:
+    """The complete checkpoint to resume from (``meta.pt`` present), or None."""
+    for name in (CHECKPOINT, f"{CHECKPOINT}.old"):
+        if (folder / name / META).is_file():
+            return folder / name
+    return None
+
+
+def stage_checkpoint(folder: Path) -> None:
+    """An empty ``checkpoint.tmp/`` to stage into (a half-staged one of a killed run removed)."""
+    tmp = folder / STAGED
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+
+def publish_checkpoint(folder: Path, meta: dict[str, Any]) -> None:
+    """Write ``meta`` into the staged checkpoint (last: its presence means complete) and swap
+    the staged folder in for the previous checkpoint."""
+    tmp, current, old = folder / STAGED, folder / CHECKPOINT, folder / f"{CHECKPOINT}.old"
+    torch.save(meta, tmp / META)
+    shutil.rmtree(old, ignore_errors=True)
+    if current.exists():
+        current.rename(old)
+    tmp.rename(current)
+    shutil.rmtree(old, ignore_errors=True)
     failpoints.point("heal.after-checkpoint")
 
 

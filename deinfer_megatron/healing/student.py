@@ -1,99 +1,90 @@
-"""The student (a decomposed folder as a trainable Hugging Face model) and the teacher.
+"""What the healing loop asks of the model it trains, whichever model that is.
 
-Every decomposed matrix becomes a :class:`FactorPair` whose parameters are named ``u`` and
-``v`` — the names the decomposed folder stores — so the folder's tensors load with one
-``load_state_dict`` and the healed weights are written back under the same names, with no
-conversion table to get wrong. Dense weights (embeddings, norms, matrices the allocator kept
-dense) stay frozen: healing moves only the factors that lost information.
+``healing.loop`` owns the run — budgets, the schedule's length, records, the log and the bar,
+held-out evaluation, checkpoints and resume — and asks a :class:`Student` only what depends on
+the model: one optimizer step on a batch, logits, its part of a checkpoint, and the healed
+weights. Two students implement it:
+
+- ``healing.megatron_student.MegatronStudent``: the project's Megatron stage on TP×PP ranks,
+  trained by ``training.Trainer``; its teacher is the dense stage in the same ranks. Every rank
+  holds one and the loop runs on every rank in lockstep.
+- ``healing.hf_student.HFStudent``: the Hugging Face factor-pair model of
+  ``models.hf_factored`` in one process, with ``training.make_optimizer``'s AdamW and schedule;
+  its teacher is the dense Hugging Face model. It also takes block-wise steps.
+
+Both take the optimizer, the learning-rate schedule and the clipping from one
+``training.OptimizerConfig`` (the loop's ``LoopSettings.optimizer``), so a step's learning rate
+is Megatron's ``OptimizerParamScheduler`` at that step for both.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import torch
-from torch import nn
 
-from deinfer_megatron.checkpoints.folder import ModelFolder
-from deinfer_megatron.files.checksums import sha256
-
-TRAINABLE = ("factors", "u", "v")
+STEP_KINDS = ("logits", "blocks")  # KL of the logits; each layer on the teacher's layer input
 
 
-class FactorPair(nn.Module):
-    """``y = U (V x) + b``: a decomposed linear, V of shape (r × in), U of shape (out × r)."""
+@dataclass(frozen=True)
+class StepOutcome:
+    """One optimizer step, the same on every rank.
 
-    def __init__(self, u: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.u = nn.Parameter(u.detach().clone().float())
-        self.v = nn.Parameter(v.detach().clone().float())
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone().float())
+    Attributes:
+        loss: the loss the step minimised, before the update.
+        parts: its named parts for the record (``kl`` and, with a CE weight, ``ce`` for a logit
+            step; ``block_rel_mse`` for a block step).
+        grad_norm: the global gradient norm before clipping.
+        lr: the learning rate the update used.
+        teacher_s: seconds of the step spent in the teacher's forward.
+    """
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nn.functional.linear(nn.functional.linear(x, self.v), self.u)
-        return y if self.bias is None else y + self.bias
-
-
-def _hf_model(folder: Path) -> nn.Module:
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(folder)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
-                                                         dtype=torch.float32)
+    loss: float
+    grad_norm: float
+    lr: float
+    teacher_s: float
+    parts: dict[str, float] = field(default_factory=dict)
 
 
-def _read(source: Any, name: str) -> torch.Tensor:
-    item = source[name]
-    return item if isinstance(item, torch.Tensor) else item[:]
+class Student(Protocol):
+    """The model the loop trains and the teacher it is distilled from.
 
+    Every method is called on every rank of the job in the same order (the collective ones
+    communicate); ``reports`` says which rank writes what the run shows (log, bar, checkpoint
+    metadata)."""
 
-def load_student(folder: ModelFolder, train: str) -> tuple[nn.Module, list[str]]:
-    """The decomposed model as a float32 Hugging Face model with :class:`FactorPair` modules;
-    returns it and the names of the parameters ``train`` selects (requires_grad set)."""
-    if train not in TRAINABLE:
-        raise ValueError(f"unknown --train {train!r}; choose one of {', '.join(TRAINABLE)}")
-    model = _hf_model(folder.path)
-    modules = dict(model.named_modules())
-    source = folder.source
-    for name in folder.rank_config.modules:
-        parent, _, leaf = name.rpartition(".")
-        bias = _read(source, f"{name}.bias") if f"{name}.bias" in source else None
-        setattr(modules[parent], leaf, FactorPair(_read(source, f"{name}.u"), _read(source, f"{name}.v"), bias))
-    state = {k: _read(source, k).float() for k in source}
-    tied = folder.arch.tied_embeddings
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
-    assert not missing and not unexpected, f"student state mismatch: {missing[:3]} {unexpected[:3]}"
-    if tied:
-        model.tie_weights()
-    model.requires_grad_(False)
-    chosen = []
-    for pname, p in model.named_parameters():
-        leaf = pname.rpartition(".")[2]
-        if leaf in ("u", "v") and (train == "factors" or leaf == train):
-            p.requires_grad_(True)
-            chosen.append(pname)
-    return model.train(), chosen
+    @property
+    def reports(self) -> bool:
+        """Whether this rank writes the log, the bar and the checkpoint's ``meta.pt``."""
 
+    def plan(self, total_steps: int) -> None:
+        """Fix the schedule's length: the cosine reaches its minimum at ``total_steps``."""
 
-def load_teacher(path: Path) -> nn.Module:
-    """The dense model in float32, frozen."""
-    import transformers
+    def step(self, ids: torch.Tensor, kind: str) -> StepOutcome:
+        """One optimizer step on the batch ``ids [b, s]`` of ``kind`` (one of ``STEP_KINDS``);
+        the learning rate is the schedule's at the step's (1-based) index."""
 
-    transformers.utils.logging.disable_progress_bar()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa",
-                                                              dtype=torch.float32)
-    return model.eval().requires_grad_(False)
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """The student's ``[b, s, vocab]`` float32 logits, no gradient (on every rank)."""
 
+    def teacher_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """The teacher's ``[b, s, vocab]`` float32 logits (on every rank)."""
 
-def student_tensors(model: nn.Module, tied: bool) -> dict[str, torch.Tensor]:
-    """The student's weights under the decomposed folder's names (a tied head left out)."""
-    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()
-            if not (tied and k == "lm_head.weight")}
+    def agreed(self, seconds: float) -> float:
+        """Global rank 0's ``seconds`` on every rank: one clock decides the time budget."""
 
+    def barrier(self) -> None:
+        """Wait for every rank (a checkpoint's files complete)."""
 
-def tokenizer_fingerprint(folder: Path) -> str | None:
-    """What makes two tokenizers the same: the SHA-256 of ``tokenizer.json`` (None without one)."""
-    f = Path(folder) / "tokenizer.json"
-    return sha256(f) if f.is_file() else None
+    def save(self, folder: Path) -> None:
+        """Write this rank's part of a checkpoint (weights, optimizer, schedule) into the existing
+        staging ``folder``."""
+
+    def load(self, folder: Path) -> None:
+        """Continue from a checkpoint ``save`` wrote."""
+
+    def save_final(self, folder: Path) -> None:
+        """Write the healed weights into ``folder`` (made here), for the command's process to
+        read (the student's module's ``read_final``)."""

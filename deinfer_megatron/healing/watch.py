@@ -1,8 +1,9 @@
 """Held-out perplexity during healing (``--eval-text``): the curve of perplexity against
 healing tokens and minutes, measured on the model being trained.
 
-The student is evaluated in place (eval mode, no gradient) on fixed windows of each file; the
-time it takes is not counted in the healing budget or in the reported minutes.
+The student is evaluated in place (no gradient) on fixed windows of each file, through the
+logits its ``healing.student.Student`` gives; the time it takes is not counted in the healing
+budget or in the reported minutes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from deinfer_megatron.decompose.calibration import text_windows
 
@@ -24,15 +24,6 @@ class HeldOut:
     def __init__(self, tokenizer: Any, texts: tuple[Path, ...], *, window: int, max_tokens: int) -> None:
         self.windows = {Path(t).name: text_windows(tokenizer, t, seq_len=window, max_tokens=max_tokens)
                         for t in texts}
-
-    def perplexity(self, model: nn.Module, batch: int = 4) -> dict[str, float]:
-        """Perplexity of a Hugging Face ``model`` on every file (its train/eval mode restored afterwards)."""
-        was_training = model.training
-        model.eval()
-        try:
-            return self.perplexity_of(lambda ids: model(ids).logits, batch)
-        finally:
-            model.train(was_training)
 
     def perplexity_of(self, logits_fn: Callable[[torch.Tensor], torch.Tensor], batch: int = 4) -> dict[str, float]:
         """Perplexity on every file of the model whose ``[b, s, vocab]`` logits ``logits_fn``

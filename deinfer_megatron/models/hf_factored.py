@@ -2,14 +2,22 @@
 
 Every decomposed matrix becomes a :class:`FactorLinears` — two ``nn.Linear`` (``V`` then ``U``,
 the bias on ``U``) — and every dense block stays the ``nn.Linear`` the model class makes, so
-the model runs on transformers alone, nothing of this project in its forward. It is the
-reference the project is measured against (``bench --peers hf``, ``scripts/heal_reference.py``)
-and, with ``multiply_out``, the dense model DeepSpeed AutoTP shards (``bench --peers
-deepspeed``): AutoTP knows ``nn.Linear`` but mis-shards a factor pair's second factor.
+the model runs on transformers alone, nothing of this project in its forward. One builder,
+three users:
 
-The model is made without initialising its weights (they are all loaded next; untouched pages
-are never resident, so a dense matrix that a factor pair replaces costs no memory) and loaded
-with ``assign``, in float32.
+- the reference the project is measured against (``bench --peers hf``,
+  ``scripts/heal_reference.py``): the factors frozen, eval mode;
+- the one-process ``heal`` student (``healing.hf_student``): ``trainable`` picks which factors
+  train, and :func:`folder_tensors` gives the healed weights back under the folder's names;
+- with ``multiply_out``, the dense model DeepSpeed AutoTP shards (``bench --peers deepspeed``):
+  AutoTP knows ``nn.Linear`` but mis-shards a factor pair's second factor.
+
+The factors are ``nn.Linear`` rather than bare ``u``/``v`` parameters because the peer is the
+model a user of transformers would write (and the bench reports it as such); the folder's names
+and the model's differ only inside a factor pair, in one table (``_FACTOR_NAMES``), read both
+ways. The model is made without initialising its weights (they are all loaded next; untouched
+pages are never resident, so a dense matrix that a factor pair replaces costs no memory) and
+loaded with ``assign``, in float32.
 """
 
 from __future__ import annotations
@@ -23,18 +31,21 @@ from torch import nn
 
 from deinfer_megatron.checkpoints.folder import ModelFolder, open_model
 
+TRAINABLE = ("factors", "u", "v")  # which factors a trainable model trains
+# A factor pair's tensors: the folder's leaf name → the parameter of FactorLinears that holds it.
+_FACTOR_NAMES = {"u": "u.weight", "v": "v.weight", "bias": "u.bias"}
+_CHOSEN = {"factors": ("u.weight", "v.weight"), "u": ("u.weight",), "v": ("v.weight",)}
+
 
 class FactorLinears(nn.Module):
-    """``y = U (V x) + b`` as ``v`` (in → r, no bias) then ``u`` (r → out, with the bias)."""
+    """``y = U (V x) + b`` as ``v`` (in → r, no bias) then ``u`` (r → out, with the bias).
 
-    def __init__(self, u: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> None:
+    Made on the meta device (shapes only); its weights are loaded with ``assign``."""
+
+    def __init__(self, in_features: int, rank: int, out_features: int, bias: bool) -> None:
         super().__init__()
-        self.v = nn.Linear(v.shape[1], v.shape[0], bias=False, device="meta")
-        self.u = nn.Linear(u.shape[1], u.shape[0], bias=bias is not None, device="meta")
-        self.v.weight = nn.Parameter(v.float().contiguous())
-        self.u.weight = nn.Parameter(u.float().contiguous())
-        if bias is not None:
-            self.u.bias = nn.Parameter(bias.float().contiguous())
+        self.v = nn.Linear(in_features, rank, bias=False, device="meta")
+        self.u = nn.Linear(rank, out_features, bias=bias, device="meta")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.u(self.v(x))
@@ -57,47 +68,84 @@ def _weights_not_initialised() -> Iterator[None]:
             yield
 
 
-def _read(source: Any, name: str) -> torch.Tensor:
+def _read(source: Any, name: str, own: bool = False) -> torch.Tensor:
+    """A float32 tensor of the folder; ``own``: never the source's own tensor object (a Megatron
+    checkpoint's source holds whole tensors, which training in place would change)."""
     item = source[name]
-    return (item if isinstance(item, torch.Tensor) else item[:]).float()
+    if isinstance(item, torch.Tensor):
+        return item.to(torch.float32, copy=own)
+    return item[:].float()  # a lazy safetensors slice reads into new memory
 
 
-def hf_model(folder: Path | ModelFolder, *, multiply_out: bool = False, verify: bool = True) -> nn.Module:
-    """The folder as a float32 Hugging Face causal LM in eval mode, gradients off.
+def _model_name(name: str, factored: set[str]) -> str:
+    """The model's parameter for the folder's tensor ``name``."""
+    module, _, leaf = name.rpartition(".")
+    return f"{module}.{_FACTOR_NAMES[leaf]}" if module in factored else name
+
+
+def hf_model(folder: Path | ModelFolder, *, multiply_out: bool = False, verify: bool = True,
+             trainable: str | None = None) -> nn.Module:
+    """The folder as a float32 Hugging Face causal LM.
 
     Args:
         folder: a decomposed or dense model folder (path or opened).
         multiply_out: give each decomposed matrix as one ``nn.Linear`` of ``U·V`` (float32)
             instead of a :class:`FactorLinears`.
         verify: check the folder's manifest when it is opened here.
+        trainable: None — eval mode, every gradient off (a model to run); ``"factors"``,
+            ``"u"`` or ``"v"`` — train mode, gradients on for the weights of both factors of every
+            pair, only the ``U``s or only the ``V``s (biases, embeddings, norms and the matrices
+            kept dense stay frozen), each factor the model's own copy.
+
+    Raises:
+        ValueError: an unknown ``trainable``, or one with ``multiply_out`` (nothing left to train);
+            the folder's tensors do not fit the model class.
     """
     import transformers
 
+    if trainable is not None and trainable not in TRAINABLE:
+        raise ValueError(f"unknown trainable selection {trainable!r}; choose one of {', '.join(TRAINABLE)}")
+    if trainable is not None and multiply_out:
+        raise ValueError("multiply_out leaves no factors to train; build the model without it to train them")
     opened = folder if isinstance(folder, ModelFolder) else open_model(folder, verify=verify)
     config = transformers.AutoConfig.from_pretrained(opened.path)
     with _weights_not_initialised():
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     modules = dict(model.named_modules())
-    source, state = opened.source, {}
-    factored = set(opened.rank_config.modules)
+    source, factored = opened.source, set(opened.rank_config.modules)
+    state = {}
     for name in factored:
-        u, v = _read(source, f"{name}.u"), _read(source, f"{name}.v")
-        bias = _read(source, f"{name}.bias") if f"{name}.bias" in source else None
+        u, v = _read(source, f"{name}.u", trainable is not None), _read(source, f"{name}.v", trainable is not None)
         if multiply_out:
             state[f"{name}.weight"] = u @ v
-            if bias is not None:
-                state[f"{name}.bias"] = bias
         else:
             parent, _, leaf = name.rpartition(".")
-            setattr(modules[parent], leaf, FactorLinears(u, v, bias))
-    state.update((k, _read(source, k)) for k in source if k.rpartition(".")[0] not in factored)
+            setattr(modules[parent], leaf, FactorLinears(v.shape[1], v.shape[0], u.shape[0], f"{name}.bias" in source))
+            state[_model_name(f"{name}.u", factored)], state[_model_name(f"{name}.v", factored)] = u, v
+    factors = {f"{name}.{leaf}" for name in factored for leaf in ("u", "v")}
+    renamed = set() if multiply_out else factored  # a multiplied-out matrix keeps its bias's own name
+    state.update((_model_name(k, renamed), _read(source, k)) for k in source if k not in factors)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     tied = opened.arch.tied_embeddings
-    missing = [k for k in missing if not (tied and k == "lm_head.weight")
-               and k.rpartition(".")[0].rpartition(".")[0] not in factored]  # FactorLinears hold theirs
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"{opened.path}: its tensors do not fit {type(model).__name__} "
                          f"(missing {missing[:3]}, unexpected {unexpected[:3]}); re-create the folder")
     if tied:
         model.tie_weights()
-    return model.eval().requires_grad_(False)
+    model.requires_grad_(False)
+    if trainable is None:
+        return model.eval()
+    for module in model.modules():
+        if isinstance(module, FactorLinears):
+            for pname, param in module.named_parameters():
+                param.requires_grad_(pname in _CHOSEN[trainable])
+    return model.train()
+
+
+def folder_tensors(model: nn.Module, folder: ModelFolder) -> dict[str, torch.Tensor]:
+    """Every tensor of ``folder`` taken from ``model`` (built from it by :func:`hf_model`, without
+    ``multiply_out``), under the folder's names: what a healed folder is written from."""
+    held = model.state_dict(keep_vars=True)
+    factored = set(folder.rank_config.modules)
+    return {name: held[_model_name(name, factored)].detach().clone().contiguous() for name in folder.source}

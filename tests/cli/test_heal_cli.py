@@ -1,5 +1,7 @@
 """``deinfer-megatron heal`` as a user runs it: killed and resumed it ends with the weights of
-an uninterrupted run, bit for bit; bad input is one line and leaves nothing behind."""
+an uninterrupted run, bit for bit — with either student (``logits``: the Megatron stage;
+``blocks-then-logits``: the Hugging Face model, both of its step kinds); bad input is one line
+and leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -28,14 +30,16 @@ def _heal_args(pair, out: Path, *extra: str) -> list[str]:
             "--save-every", "2", "--out", str(out), *extra]
 
 
-def test_resume_after_a_kill_ends_with_the_uninterrupted_weights(pair, tmp_path) -> None:
-    whole = run_cli(*_heal_args(pair, tmp_path / "whole"), tmp=tmp_path)
+@pytest.mark.parametrize("distill", ["logits", "blocks-then-logits"])
+def test_resume_after_a_kill_ends_with_the_uninterrupted_weights(pair, tmp_path, distill) -> None:
+    whole = run_cli(*_heal_args(pair, tmp_path / "whole", "--distill", distill), tmp=tmp_path)
     assert whole.code == 0, whole.stderr[-2000:]
     out, log = tmp_path / "resumed", tmp_path / "log.jsonl"
-    killed = run_cli(*_heal_args(pair, out, "--json", str(log)), tmp=tmp_path, env={ENV: "heal.after-checkpoint"})
+    killed = run_cli(*_heal_args(pair, out, "--distill", distill, "--json", str(log)), tmp=tmp_path,
+                     env={ENV: "heal.after-checkpoint"})
     assert killed.code == -9, killed.stderr[-2000:]
     assert not out.exists() and (state_dir(out) / "checkpoint" / "meta.pt").is_file()  # nothing published, state kept
-    resumed = run_cli(*_heal_args(pair, out, "--json", str(log), "--resume"), tmp=tmp_path)
+    resumed = run_cli(*_heal_args(pair, out, "--distill", distill, "--json", str(log), "--resume"), tmp=tmp_path)
     assert resumed.code == 0, resumed.stderr[-2000:]
     a, b = load_file(str(tmp_path / "whole" / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert a.keys() == b.keys()

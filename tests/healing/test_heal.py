@@ -1,10 +1,13 @@
 """``heal`` lowers the KL to the teacher on held-out text, measured independently of the
 project: both models are plain transformers models (the student's factors multiplied out
-from the written safetensors) and the KL is the textbook sum ``Σ p (log p − log q)``."""
+from the written safetensors) and the KL is the textbook sum ``Σ p (log p − log q)``. Both
+students (the Megatron stage for logits, the Hugging Face model for blocks) follow the one
+learning-rate schedule, written out here."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,14 @@ from safetensors.torch import load_file
 from deinfer_megatron.checkpoints.folder import MANIFEST, open_model
 from deinfer_megatron.healing.job import HealJob, run_heal
 from deinfer_megatron.healing.loss import token_kl
+
+
+def schedule(n: int, *, lr: float, warmup: int, steps: int) -> float:
+    """The learning rate of step n (1-based): linear warm-up to ``lr`` over ``warmup`` steps,
+    then a cosine to ``lr / 10`` at step ``steps`` (docs/HEALING.md)."""
+    if n <= warmup:
+        return lr * n / warmup
+    return lr / 10 + (lr - lr / 10) * 0.5 * (1 + math.cos(math.pi * (n - warmup) / (steps - warmup)))
 
 
 def _multiplied_out(folder: Path) -> torch.nn.Module:
@@ -62,10 +73,10 @@ def test_token_kl_is_the_textbook_formula() -> None:
 
 @pytest.mark.parametrize("distill", ["logits", "blocks"])
 def test_heal_lowers_the_kl_on_held_out_text(pair, tmp_path, distill) -> None:
-    out = tmp_path / "healed"
+    out, log = tmp_path / "healed", tmp_path / "log.jsonl"
     summary = run_heal(HealJob(model=pair.dec, teacher=pair.dense, out=out, calib_text=(pair.heal_text,),
                                tokens=24 * 2 * 32, batch=2, seq_len=32, lr=3e-3, warmup=2, distill=distill,
-                               eval_text=(pair.held_out,), eval_every=12, eval_tokens=256))
+                               eval_text=(pair.held_out,), eval_every=12, eval_tokens=256, json_log=log))
     before = _reference_kl(pair.dense, pair.dec, pair.held_out)
     after = _reference_kl(pair.dense, out, pair.held_out)
     assert after < 0.8 * before, (before, after)
@@ -84,3 +95,7 @@ def test_heal_lowers_the_kl_on_held_out_text(pair, tmp_path, distill) -> None:
     assert manifest["healing"]["steps"] == 24 and manifest["healing"]["tokens"] == 24 * 2 * 32
     if distill == "logits":
         assert manifest["healing"]["final_kl"] < manifest["healing"]["first_kl"]
+    steps = [r for r in map(json.loads, log.read_text().splitlines()) if r["step"] > 0]
+    assert [r["kind"] for r in steps] == [distill] * 24
+    assert [r["lr"] for r in steps] == pytest.approx([schedule(n, lr=3e-3, warmup=2, steps=24) for n in range(1, 25)],
+                                                     rel=1e-12)
