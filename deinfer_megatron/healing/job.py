@@ -177,6 +177,9 @@ def _check_output(job: HealJob) -> Path:
                          "continue it, or remove that folder to start over")
     if job.resume:
         run_state.check_same_job(folder, job.settings())
+        if (folder / "state.pt").is_file() and run_state.checkpoint_dir(folder) is None:
+            raise ValueError(f"{folder} was checkpointed by an earlier version of heal (state.pt), which this "
+                             "one cannot continue; remove that folder and start again without --resume")
     if job.json_log is not None and job.json_log.exists() and not job.resume:
         raise ValueError(f"--json {job.json_log} exists; choose another log file")
     return folder

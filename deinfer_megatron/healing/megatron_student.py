@@ -38,7 +38,7 @@ from deinfer_megatron.healing.watch import HeldOut
 from deinfer_megatron.models.build import Stage, load_folder
 from deinfer_megatron.models.pipeline import broadcast_from_last_stage, stage_forward
 from deinfer_megatron.parallel import comm
-from deinfer_megatron.planning.auto import Workload
+from deinfer_megatron.planning.pricing import Workload
 from deinfer_megatron.planning.preflight import Footprint
 from deinfer_megatron.runtime.job import RankContext
 from deinfer_megatron.runtime.options import DType, Engine, Parallelism

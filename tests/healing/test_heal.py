@@ -99,3 +99,19 @@ def test_heal_lowers_the_kl_on_held_out_text(pair, tmp_path, distill) -> None:
     assert [r["kind"] for r in steps] == [distill] * 24
     assert [r["lr"] for r in steps] == pytest.approx([schedule(n, lr=3e-3, warmup=2, steps=24) for n in range(1, 25)],
                                                      rel=1e-12)
+
+
+def test_a_run_checkpointed_by_the_earlier_format_is_not_resumed_silently(pair, tmp_path) -> None:
+    """A killed one-process run of the previous version left ``state.pt`` and no ``checkpoint/``:
+    ``--resume`` says it cannot continue it, rather than starting again from step 0."""
+    from deinfer_megatron.healing import state as run_state
+
+    job = HealJob(model=pair.dec, teacher=pair.dense, out=tmp_path / "healed", calib_text=(pair.heal_text,),
+                  tokens=2 * 2 * 32, batch=2, seq_len=32, distill="blocks", resume=True)
+    folder = run_state.state_dir(job.out)
+    folder.mkdir(parents=True)
+    run_state.save_json(folder / "job.json", job.settings())
+    torch.save({"step": 3}, folder / "state.pt")
+    with pytest.raises(ValueError, match=r"checkpointed by an earlier version of heal \(state\.pt\).*without --resume"):
+        run_heal(job)
+    assert not job.out.exists() and (folder / "state.pt").is_file(), "nothing written, nothing removed"
