@@ -13,7 +13,12 @@ process the user talks to:
   forwarded to stderr, and rank 0's result comes back through ``launch.report``;
 * what the launcher writes (torchrun keeps its logs in a temporary folder for good) goes to a
   scratch folder that is removed when the job ends — by this command, or by the ranks'
-  watchdog when this command was killed.
+  watchdog when this command was killed;
+* the ranks run this command's own code (``same_code_env``): the launcher would otherwise let
+  its own ``sys.path`` choose — DeepSpeed's ranks run the environment's ``deinfer-megatron``
+  script (the installed package: an editable install's checkout), torchrun's ``-m`` puts the
+  working directory first — so a command run from another checkout (a worktree, a copy) would
+  report what other code computed.
 """
 
 from __future__ import annotations
@@ -21,18 +26,20 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Mapping
 
 from deinfer_megatron.launch.lifetime import PARENT_PID_ENV, SCRATCH_ENV, die_with_parent
 from deinfer_megatron.launch.local import LOOPBACK, free_port
 from deinfer_megatron.launch.report import ReportListener
 
 LAUNCHERS = ("torchrun", "deepspeed")
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding this deinfer_megatron
 
 
 def _command(launcher: str, world: int, argv: list[str], port: int, scratch: str) -> list[str]:
@@ -45,6 +52,22 @@ def _command(launcher: str, world: int, argv: list[str], port: int, scratch: str
         return [exe, f"--num_gpus={world}", "--no_local_rank", f"--master_addr={LOOPBACK}",
                 f"--master_port={port}", cli, *argv]
     raise ValueError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
+
+
+def same_code_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """``PYTHONPATH`` and ``PYTHONSAFEPATH`` that make every Python process below the launcher
+    import the ``deinfer_megatron`` this module belongs to.
+
+    ``PYTHONSAFEPATH`` keeps Python from putting a script's folder or the working directory first
+    on ``sys.path`` (torchrun's ``python -m`` would put the working directory there). A package
+    run from a checkout (a worktree, an editable install, ``PYTHONPATH``) also puts the folder
+    holding it first on ``PYTHONPATH``, ahead of the caller's entries; an installed one is what
+    the ranks find anyway (an earlier entry holding another copy would have been imported here).
+    """
+    rest = environ.get("PYTHONPATH", "")
+    sites = {Path(p).resolve() for p in (*site.getsitepackages(), site.getusersitepackages())}
+    path = rest if PACKAGE_ROOT in sites else os.pathsep.join(p for p in (str(PACKAGE_ROOT), rest) if p)
+    return {**({"PYTHONPATH": path} if path else {}), "PYTHONSAFEPATH": "1"}
 
 
 def _beside_python(name: str) -> str:
@@ -77,7 +100,7 @@ def _run(launcher: str, world: int, argv: list[str], report: bool, scratch: str)
     listener = ReportListener() if report else None
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "GLOO_SOCKET_IFNAME": "lo", PARENT_PID_ENV: str(os.getpid()), SCRATCH_ENV: scratch,
-           **(listener.env if listener else {})}
+           **same_code_env(os.environ), **(listener.env if listener else {})}
     proc = subprocess.Popen(_command(launcher, world, argv, free_port(), scratch), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True, preexec_fn=die_with_parent)
