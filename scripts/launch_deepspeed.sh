@@ -5,7 +5,9 @@
 #
 # Multi-node: pass a hostfile with HOSTFILE=path (DeepSpeed's `--hostfile`); NPROC is the number
 # of ranks per node. On CPU the launcher counts "GPUs" as ranks; each rank finds the RANK /
-# WORLD_SIZE the launcher sets and joins.
+# WORLD_SIZE the launcher sets and joins. The launcher prints its own lines to stdout, beside the
+# ranks': on one machine, `deinfer-megatron generate --launcher deepspeed ... --json` keeps stdout
+# to the JSON document (docs/FAILURES.md, "Machine-readable output").
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 bin="${DEINFER_BIN:-$here/.venv/bin}"

@@ -56,8 +56,10 @@ def auto_plan(arch: ModelArch, rank_config: RankConfig, work: Workload,
         try:
             table = table_for(arch, rank_config, work)
         except host.CalibrationFailed as err:  # the default layout must not fail where a fixed one runs
-            log.warning("--layout auto: %s; using the %s layout for every block (pass a fixed "
-                        "--layout to choose another)", err, FALLBACK.value)
+            if not err.warned:  # the same failure comes back each time a job prices: said once
+                err.warned = True
+                log.warning("--layout auto: %s; using the %s layout for every block (pass a fixed "
+                            "--layout to choose another)", err, FALLBACK.value)
             return AutoChoice(LayoutPlan.uniform(FALLBACK, arch.num_layers), [])
     if collectives:
         table = replace(table, collectives=collectives)

@@ -29,6 +29,10 @@ from deinfer_megatron.planning.cost_model import (
 )
 
 log = logging.getLogger(__name__)
+# Measurements that failed in this process, by (cache file, TP size): a job prices auto more than
+# once (a launched job's rank 0 before and after its groups exist, every bench cell), and a
+# measurement that could not finish is not tried again within the process (nor cached on disk).
+_FAILED: dict[tuple[Path, int], "CalibrationFailed"] = {}
 
 
 def with_shapes(table: CostTable, dtype: str, needs: Iterable[tuple[Gemm, int]]) -> CostTable:
@@ -74,6 +78,8 @@ def host_table(*, tp: int, threads: int | None = None, root: Path | None = None,
     if (table is not None and (tp == 1 or table.collectives) and str(tp) in table.overhead
             and not table.missing_shapes(dtype, gemms) and not table.missing_attention(dtype, attention)):
         return table
+    if (path, tp) in _FAILED:
+        raise _FAILED[(path, tp)]
     what = ", ".join(_to_measure(table, tp, dtype, gemms, attention))
     log.info("measuring this machine's cost table once (%s; up to tens of seconds), cached in %s", what, path)
     try:
@@ -86,8 +92,9 @@ def host_table(*, tp: int, threads: int | None = None, root: Path | None = None,
         table = with_attention(with_shapes(table, dtype, gemms), dtype, attention)
     except Exception as err:  # noqa: BLE001 - whatever stopped the measurement, the caller decides
         first = (str(err).strip().splitlines() or [""])[0]
-        raise CalibrationFailed(f"could not measure this machine's cost table ({what}): "
-                                f"{type(err).__name__}: {first}") from err
+        failed = _FAILED[(path, tp)] = CalibrationFailed(f"could not measure this machine's cost table ({what}): "
+                                                         f"{type(err).__name__}: {first}")
+        raise failed from err
     save(table, path)
     return table
 
@@ -95,7 +102,11 @@ def host_table(*, tp: int, threads: int | None = None, root: Path | None = None,
 class CalibrationFailed(RuntimeError):
     """``host_table`` could not measure what it lacks (no shared memory for the collectives, a
     measuring rank that failed or timed out): one line naming what was measured and why it
-    stopped. Nothing is cached, so the next job measures again."""
+    stopped. Nothing is cached on disk, so the next job measures again; within one process the
+    same measurement is not tried again (``_FAILED``): the same object comes back, and
+    ``warned`` says whether its warning was given."""
+
+    warned = False
 
 
 def _to_measure(table: CostTable | None, tp: int, dtype: str, gemms: list[tuple[Gemm, int]],

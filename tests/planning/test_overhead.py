@@ -191,6 +191,12 @@ def test_a_failed_calibration_is_one_line_and_auto_falls_back(tmp_path, monkeypa
     assert "using the deinfer layout for every block" in warnings[0].getMessage()
     assert choice.plan == choice.plan.uniform(FALLBACK, arch.num_layers) and choice.seconds == []
     assert not list(tmp_path.rglob("*.json")), "nor from the job's own attempt"
+    # a job that prices again (a launched rank 0 with its link's rates, every bench cell) is not
+    # measured again, nor warned again, within the process
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="deinfer_megatron"):
+        assert auto_plan(arch, ranks, Workload(tp=2)).plan == choice.plan
+    assert not caplog.records
 
 
 def test_calibration_on_two_ranks() -> None:

@@ -7,6 +7,10 @@ finish (a measuring rank killed) must leave the job on a fixed layout with one w
 not fail it. Each command gets an empty cache of its own; every answer is checked against
 Hugging Face on the same (lossless, full-rank) weights. The commands of one TP family run side
 by side, each as a real process (``harness.Job``), so none may leave a process behind.
+
+The TP=3 ``generate`` is the command reported with ``--launcher deepspeed --json > out.json``:
+the DeepSpeed launcher logs to stdout and every process below the command may print, yet the
+whole of its stdout must parse as one JSON document; torchrun then runs it on the cache it left.
 """
 
 from __future__ import annotations
@@ -96,17 +100,21 @@ def test_tp3_on_a_9_head_model_from_an_empty_cache(shapes, tmp_path) -> None:
     with one warning line and caches nothing."""
     model, text = shapes["heads9"]["model"], shapes["text"]
     results = _together(tmp_path, {
-        "generate": (_generate(model, 3), {}),
+        "generate": ((*_generate(model, 3), "--launcher", "deepspeed"), {}),
         "eval": (_eval(model, 3, text), {}),
         "bench": (("bench", "--model", str(model), "--tp", "3", "--layouts", "auto", "--batch", "1",
                    "--prompt-len", "8", "--gen-len", "2", "--repeats", "1", "--json", str(tmp_path / "bench.json"),
                    "--no-progress"), {}),
         "killed": (_generate(model, 3), {"DEINFER_MEGATRON_KILL_AT": "overhead.rank"}),
     })
-    doc = _ok(results["generate"])
+    doc = _ok(results["generate"])  # the whole stdout under the DeepSpeed launcher: one document
     assert doc["layout"] == "auto" and doc["tp"] == 3
     assert doc["outputs"][0]["token_ids"] == shapes["heads9"]["tokens"]
     _measured(tmp_path / "generate", 3)
+    warm = _together(tmp_path, {"generate": ((*_generate(model, 3), "--launcher", "torchrun"), {})})
+    doc = _ok(warm["generate"])
+    assert doc["layout"] == "auto" and doc["outputs"][0]["token_ids"] == shapes["heads9"]["tokens"]
+    assert "measuring" not in warm["generate"].stderr, "the cache the first run left is complete"
 
     doc = _ok(results["eval"])
     assert doc["ppl"] == pytest.approx(shapes["heads9"]["ppl"], rel=1e-3)
