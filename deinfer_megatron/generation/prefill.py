@@ -2,17 +2,15 @@
 
 A prefill forwards ``batch × prompt`` tokens at once, and every layer's activations scale with
 that count — batch 32 × 2048 tokens is 65,536 rows of every hidden state, intermediate and
-attention output, which took two ranks of a 1B-shaped model past 24 GB (docs/BENCHMARKS.md)
-while the weights and the KV cache needed under 2. The KV cache is filled position by
+attention output, many times what the weights and the KV cache hold. The KV cache is filled position by
 position anyway, so the prompt can be fed in chunks of positions: each chunk attends to the
 cache written by the chunks before it and causally within itself, and only the last chunk's
 logits are kept. Peak activation memory is then that of ``max_tokens`` rows, whatever the
 prompt; the tokens are those of one whole forward (the same sums, in the same order per row).
 
-The default, 2048 rows, was measured (llama-1b-shape, TP=1, batch 8 × 2048 tokens, deinfer;
-time to first token / peak RSS): 512 rows 35.0 s / 2.0 GB, 1024 33.6 s / 2.2 GB, 2048 31.1 s /
-2.5 GB, 4096 38.7 s / 3.0 GB, 8192 41.6 s / 3.9 GB, all 16,384 at once 41.6 s / 6.1 GB. Smaller
-chunks cost more passes over the weights; larger ones fall out of the CPU's caches.
+The default, 2048 rows, is the fastest chunk measured on a llama-1b-shape prefill
+(docs/BENCHMARKS.md, "Chunked prefill"): smaller chunks cost more passes over the weights,
+larger ones fall out of the CPU's caches, and memory grows with the chunk.
 
 Megatron's static path assumes that a forward after the first is a decode step and turns its
 causal mask off (``Attention._adjust_key_value_for_inference``: ``sequence_len_offset > 0`` →

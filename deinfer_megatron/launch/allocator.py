@@ -4,12 +4,10 @@ PyTorch's CPU tensors come from glibc's ``malloc``. A block above its mmap thres
 raised automatically up to 32 MiB) is a fresh ``mmap`` that the kernel zero-fills page by page
 at first touch and unmaps again at ``free``. A decode step that allocates large temporaries
 pays that at every call: Megatron's unfused attention repeats K and V per query head and
-rotates the whole cached key (67 MB a layer at batch 8 × 2048 tokens on llama-1b-shape TP=2).
-Measured on this project's machines: one pass over a 67 MB tensor 184 ms with the default,
-27 ms with the block kept in the heap (65 538 page faults a call against none); the dense
-layout's decode step at that size 1219 → 384 ms, DeInfer's 219 → 147 ms (docs/bench/HISTORY.md).
-Whether a process pays it otherwise depends on its heap's history — so the calibration that
-prices the layouts and the ranks that run them would disagree.
+rotates the whole cached key (tens of MB a layer at a long context) — several times the step's
+own arithmetic (docs/bench/HISTORY.md has the measurements). Whether a process pays it otherwise
+depends on its heap's history — so the calibration that prices the layouts and the ranks that
+run them would disagree.
 
 ``configure()`` sets both thresholds with ``mallopt`` when a process of this project starts
 (the command on every rank, and ``parallel.runtime.init_parallel``): no environment before

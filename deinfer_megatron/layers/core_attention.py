@@ -121,8 +121,8 @@ class SdpaCoreAttention(nn.Module):
         The causal mask allows every cached key, so the query heads that share a KV head are
         the rows of one query block against it: ``[b, nkv, nq/nkv, d]`` by ``[b, nkv, sk, d]``.
         Each K/V is read once for its whole group, where SDPA's grouped-query path reads it once
-        per query head — on this CPU 2.4-2.7× faster at 2048 cached tokens, batch 1-8 (16 query
-        heads on 4 KV heads, fp32), the same numbers up to rounding."""
+        per query head: the same numbers up to rounding, a fraction of the memory traffic
+        (docs/INFERENCE.md has the timing)."""
         b, nq, _, d = q.shape
         nkv = k.shape[1]
         grouped = q.reshape(b, nkv, nq // nkv, d)

@@ -6,10 +6,10 @@ that read the same input ("sections": q, k, v; or gate, up) into one down factor
 factor takes the tuple of its section ranks and returns one latent per section.
 
 Weights are stored input-major — ``Vᵀ`` as ``(in, r)``, ``Uᵀ`` as ``(sections, r, out)`` — and
-applied as ``x @ W``: for the few rows of a decode step, CPU BLAS runs a GEMM about twice as
-fast from a row-major ``(in, out)`` operand as from Megatron's ``(out, in)`` (measured 19-22
-against 9 GB/s effective at 8 × 2048 on this project's 2-core machines), and large prefill
-GEMMs are no slower. Checkpoints keep the usual ``U``/``V`` orientation; loaders transpose.
+applied as ``x @ W``: for the few rows of a decode step, CPU BLAS runs a GEMM faster from a
+row-major ``(in, out)`` operand than from Megatron's ``(out, in)`` (docs/ARCHITECTURE.md), and
+large prefill GEMMs are no slower. Checkpoints keep the usual ``U``/``V`` orientation; loaders
+transpose.
 
 Each module allocates only its local shard and knows how to fill it: ``loader_for(name)``
 returns a ``weight_loader(param, source, shard_id)`` where ``source`` is the *full* (unsharded)

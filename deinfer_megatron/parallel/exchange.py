@@ -5,16 +5,14 @@ even two ranks pay two dependent rounds of messages, where gloo's all-gather of 
 one. A decode step issues its collectives one at a time with a few KiB to a few hundred KiB
 each, so what it pays is mostly those rounds. So a group whose ranks sit on different nodes
 all-reduces by gathering every rank's tensor (gloo's own all-gather) and adding the copies in
-rank order on every rank. (Point-to-point ``isend``/``irecv`` swaps were tried first: one swap
-beat gloo's collectives when each call followed a barrier, but with calls back to back, each
-rank pinned to its core as in a step, a swap took 2.0 ms where gloo's all-gather took 1.1-1.3:
-gloo's collectives, run on its worker thread, are the faster path here.)
+rank order on every rank — gloo's collectives, run on its worker thread, rather than
+point-to-point swaps, which were slower back to back (docs/bench/HISTORY.md).
 
 - **Bytes.** At two ranks the gather sends exactly the ring's bytes (the ring sends one half in
   each of its two steps); at ``p`` ranks ``(p - 1)`` tensors against the ring's
   ``2 (p - 1) / p``. Tensors over ``LARGE_BYTES`` (prefill's, not a decode step's) keep gloo's
   ring: there the rounds saved are small beside the transfer, and the gather's copy and sum are
-  not (at 1 Mi float32 elements over 1 Gbit/s the gather was 0.9× as fast as the ring).
+  not (docs/INFERENCE.md, "Collectives across nodes").
 - **The same bits on every rank.** Every rank adds the same copies in the same (rank) order; at
   two ranks that is gloo's one addition, so the bits are gloo's.
 - All-gathers are gloo's already; backward passes (training) keep torch.distributed: their

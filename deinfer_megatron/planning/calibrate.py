@@ -2,30 +2,22 @@
 streaming copy for memory bandwidth, and all-reduce / all-gather between two forked processes
 over the shared-memory transport the job's local ranks use (``parallel.shm``).
 
-The grid's rates and the copy bandwidth are the best of a few repetitions: they bound a step
-(``bench --roofline``), and a shared machine only ever adds time, so the fastest run is the
-closest to what the hardware does. What predicts a step is timed as the step meets it, typical
-rather than best: the matrix products and attention per shape are the median of ``ROUNDS``
-passes (``measure_shapes``), as ``bench`` reports the median step — on the 2-core development
-machine the fastest of 60 passes of a batch-8 product was 0.68-0.70 of their median, and a
-table of fastest-of-two passes predicted a llama-1b-shape TP=2 step at 0.54-0.70 of its
-measured median, depending on the layout. Latency and bandwidth of a collective are
-the line through its time at a small and a large message — each time the median of calls made
-with cold caches (``CacheFlush`` before each): in a decode step every collective follows a block
-that streamed its weights through the caches. How much that costs depends on the machine and on
-its neighbours: on the 2-core development machine, with another test suite running, an
-all-reduce of 16k floats took 44 µs in a tight loop, 69 µs after 16 MiB, 156 µs after 64 MiB were
-streamed; on the quiet machine the cold median latency was the hot loop's (45 µs) and the
-bandwidth lower (3.4 against 5.3 GB/s). Inside a llama-1b-shape step a collective costs
-100-190 µs, most of it the project's Python around the transport, which the fixed times hold.
+Two statistics, for two uses. The grid's rates and the copy bandwidth are the best of a few
+repetitions: they bound a step (``bench --roofline``), and a busy machine only ever adds time.
+What predicts a step is timed as the step meets it, typical rather than best: the matrix products
+and attention per shape are the median of ``ROUNDS`` passes (``measure_shapes``,
+``measure_attention``), as ``bench`` reports the median step, and a collective's latency and
+bandwidth are the line through its median time at a small and a large message, each call made
+after ``CacheFlush``, as a decode step's collectives follow a block that streamed its weights.
 
-Matrix products are timed per shape as a plan needs them (``measure_shapes``): every call reads
-its weights from memory, as a decode step does (a model's weights on one rank outgrow the
-last-level cache, which two ranks also share): the weights are views at successive offsets of a
-pool larger than the last-level cache, so a view was last touched a whole pool ago. The pool is
-filled once per call of ``measure_shapes``; each (shape, rows) then costs ``ROUNDS`` passes over it.
-The attention over a decode step's cache is timed alike (``measure_attention``): each core as
-its block calls it, K/V views cycled through a pool past the last-level cache.
+Matrix products are timed per shape as a plan needs them, every call reading its weights from
+memory as a decode step does (a model's weights on one rank outgrow the last-level cache, which
+two ranks also share): the weights are views at successive offsets of a pool larger than the
+last-level cache, so a view was last touched a whole pool ago. The pool is filled once per call
+of ``measure_shapes``; each (shape, rows) then costs ``ROUNDS`` passes over it. The attention
+over a decode step's cache is timed alike: each core as its block calls it, K/V views cycled
+through a pool past the last-level cache. docs/INFERENCE.md (``--layout auto``) has the
+measurements behind these choices.
 """
 
 from __future__ import annotations
@@ -59,8 +51,8 @@ class CacheFlush:
     """Streams ``FLUSH_BYTES`` of weights through one matrix product, as a decode step's block does
     between two collectives: what follows runs with the caches (and the code paths of the
     framework) as cold as in a step of a model whose blocks outgrow a core's caches — the models
-    this project serves. 32 MiB is 16 times a core's L2 on the development machine and the order
-    of a llama-1b-shape block per rank (16-48 MiB); a 7B-class block streams more."""
+    this project serves. ``FLUSH_BYTES`` is many times a core's L2 and about one llama-1b-shape
+    block per rank."""
 
     def __init__(self, nbytes: int = FLUSH_BYTES) -> None:
         self.weights = torch.empty(max(1, nbytes // 4 // 1024), 1024).uniform_(-1.0, 1.0)

@@ -24,19 +24,15 @@ cached table whose key differs from the running process's (another host, an olde
 threads) is ignored and measured again, never trusted. Tests inject a table.
 
 The matrix products are timed per shape (``shapes``), lazily: a plan asks for the shapes and
-batch rows it will price (``planning.pricing.required_gemms``), ``planning.host.host_table`` measures the missing
-ones (``calibrate.measure_shapes``, a few ms each, weights cycled through more memory than the
-last-level cache holds, as a decode step reads them) and adds them to the cache. Why per shape:
-one GEMM of a block's parameters at rates of cached square matrices said a step hardly grows
-with batch, while at batch 8 a CPU GEMM of weights from memory is compute-bound at ~22 GFLOP/s
-and the step nearly doubles. A shape the table lacks (an injected table) falls back to the
-square grid: max(FLOPs / grid rate, weight bytes / memory bandwidth).
+batch rows it will price (``planning.pricing.required_gemms``), ``planning.host.host_table``
+measures the missing ones (``calibrate.measure_shapes``) and adds them to the cache. Per shape,
+because a CPU GEMM of weights read from memory turns compute-bound as the batch grows, which one
+rate for square matrices does not see. A shape the table lacks (an injected table) falls back
+to the square grid: max(FLOPs / grid rate, weight bytes / memory bandwidth).
 
 The attention over a long cache is timed the same way, per (core, heads) at the job's batch and
-context (``attention``), because its price is not its bytes: on the development machine, at 2048
-cached tokens, batch 8, 16 query heads on 4 KV heads (fp32), this project's attention took
-4.5-6.4 ms and Megatron's unfused ``DotProductAttention`` (which copies K/V once per query
-head) 78-116 ms, where their 34 MB of K/V at the measured ~10 GB/s say 3.4 ms. Without a
+context (``attention``), because its price is not its bytes: Megatron's unfused core copies K/V
+once per query head, the project's does not (docs/INFERENCE.md has both timings). Without a
 timing (an injected table, the latent cache's rebuilt K/V) the attention is priced as its K/V
 bytes streamed from memory.
 """

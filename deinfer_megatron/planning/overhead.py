@@ -19,7 +19,7 @@ every (size, layout) decoded ``ROUNDS`` times, interleaved (``time_stages``). Pe
 Each is the median over the decode steps (the statistic ``bench`` reports), then over the rounds,
 the slowest rank's.
 From each the cost model's own price at that size is taken away (GEMM, attention, collectives'
-latency and bandwidth: ``planning.auto``), and the remainder is extrapolated linearly in the
+latency and bandwidth: ``planning.pricing``), and the remainder is extrapolated linearly in the
 block's parameters per rank to zero size — what is left at no size at all is the fixed cost. It
 is clamped to [0, the larger remainder], as a busy machine can make the line slope down.
 
@@ -81,22 +81,21 @@ class OverheadJob:
 
 
 class BlockTimer:
-    """Forward hooks on every layer and its blocks, and an ``on_token`` hook that closes a step:
-    per decode step, the seconds of each part (module docstring).
+    """Forward hooks on every layer and its blocks, and ``step_mark`` that closes a step: per
+    decode step, the seconds of each part (module docstring).
 
-    ``flush`` (``calibrate.CacheFlush``), when given, runs before every block, and its own time is
-    left out of every part: each block then starts with the caches as cold as in a step of a
-    model whose blocks stream more than a core's caches hold (at the calibration's tiny sizes
-    everything would otherwise stay cached, and the Python of a block, its collectives' calls
-    included, would be priced at its hot-cache cost: 10-40 % less per block in a side-by-side run).
+    ``flush`` (``calibrate.CacheFlush``), when given, runs before every block and its own time
+    is left out of every part: each block then starts with the caches as cold as in a step of a
+    model whose blocks stream more than a core's caches hold — at the calibration's tiny sizes
+    everything would otherwise stay cached, and a block's Python would be priced at its hot-cache
+    cost.
 
     ``sync`` (a barrier of the TP ranks), when given, runs after the flush and is left out too:
     every rank then enters the block together, as in a real step, where the previous block's
-    collective has just lined them up. Without it a rank whose flush ran longer kept its peer
-    waiting inside the block's first collective, and that wait (the flush's jitter, not the
-    framework) was priced as fixed time, more of it the more collectives a layout makes: five
-    calibrations in a row gave a llama-1b-shape step's fixed part 9.2-17.4 ms in DeInfer and
-    naive 2.2 ms dearer on average (9.8-14.5 ms and 0.9 ms with the barrier and ``ROUNDS``)."""
+    collective has just lined them up. Without it, a rank whose flush ran longer would keep its
+    peer waiting inside the block's first collective, and that wait (the flush's jitter) would be
+    priced as fixed time, the more the more collectives a layout makes. docs/INFERENCE.md has the
+    measurements with and without both."""
 
     def __init__(self, layers: Any, flush: Callable[[], Any] | None = None,
                  sync: Callable[[], Any] | None = None) -> None:
@@ -324,7 +323,7 @@ def fit(table: CostTable, tp: int, measured: dict[str, dict[str, float]]) -> dic
 
 
 def measure_overhead(table: CostTable, tp: int, *, timeout_s: float = 300.0) -> dict[str, Any]:
-    """``table``'s overhead entry for TP ``tp``, measured on ``tp`` local ranks (~15-25 s)."""
+    """``table``'s overhead entry for TP ``tp``, measured on ``tp`` local ranks (tens of seconds)."""
 
     job = OverheadJob(tp, table.key.threads, _layouts())
     per_rank = spawn_local(tp, overhead_worker, job, timeout=timeout_s)

@@ -8,11 +8,10 @@ limit when lower) that is a one-line refusal.
 
 The activations are those of the largest forward, the prefill's (``prefill_rows`` token rows,
 at most ``--max-prefill-tokens``: ``generation.prefill``). The planner's count is a lower bound
-(outputs of the products, residual stream and norm); what a rank's peak RSS really grows by per
-row is about ``ACTIVATION_FACTOR`` times it — measured at llama-1b-shape, TP=1, batch 8 × 2048
-tokens, 2048 to 16,384 rows per forward: 3.3× for deinfer, 2.0× for dense besides its scores
-(the rest is copies for RoPE and the attention layout, and the allocator's slack). Scores a core
-materialises (Megatron's attention) are counted at their size, ``rows × heads × context`` twice.
+(outputs of the products, residual stream and norm); a rank's peak RSS grows by about
+``ACTIVATION_FACTOR`` times it per row (copies for RoPE and the attention layout, the
+allocator's slack; docs/INFERENCE.md has the measurement). Scores a core materialises
+(Megatron's attention) are counted at their size, ``rows × heads × context`` twice.
 Logits are counted apart (``plan.logit_elements``), as the vocabulary is the model's widest
 dimension (SmolLM2: 49,152 against a hidden size of 576): for every row of a perplexity pass,
 for the last row of each sequence in generation (Megatron's static context keeps only those).
@@ -33,7 +32,7 @@ from deinfer_megatron.specs.layout import Layout, LayoutPlan
 from deinfer_megatron.specs.rank_config import RankConfig
 
 _GIB = 2**30
-ACTIVATION_FACTOR = 3.5  # peak RSS per prefill row ÷ the planner's activation count, rounded up (above)
+ACTIVATION_FACTOR = 3.5  # peak RSS per prefill row ÷ the planner's activation count, measured, rounded up
 
 
 def activation_bytes(totals: dict[str, Any], rows: int, context: int, dtype_bytes: int,
