@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from deinfer_megatron.arch.model import ModelArch
+from deinfer_megatron.bench.serve_metrics import MetricsPoller
 from deinfer_megatron.generation.context import GenerationContext
 from deinfer_megatron.generation.loop import generate_tokens
 from deinfer_megatron.generation.sampling import SamplingParams
@@ -46,7 +47,8 @@ WORDS = ("the of and to in is was for on that with as by at from his an were are
 @dataclass(frozen=True)
 class LoadSpec:
     """The request set: ``requests`` arrivals at ``rate`` per second (Poisson), at most
-    ``concurrency`` in flight, prompt and output lengths uniform in their ranges."""
+    ``concurrency`` in flight, prompt and output lengths uniform in their ranges; every prompt
+    starts with the same ``system_words`` words (a shared system prompt, for the prefix cache)."""
 
     requests: int = 64
     rate: float = 4.0
@@ -54,10 +56,13 @@ class LoadSpec:
     prompt_words: tuple[int, int] = (16, 256)
     output_tokens: tuple[int, int] = (16, 128)
     seed: int = 0
+    system_words: int = 0
 
     def __post_init__(self) -> None:
         if self.requests < 1 or self.concurrency < 1:
             raise ValueError("--requests and --concurrency must be at least 1")
+        if self.system_words < 0:
+            raise ValueError(f"--system-words must be ≥ 0, got {self.system_words}")
         if not self.rate > 0:
             raise ValueError(f"--rate must be > 0 requests per second, got {self.rate}")
         for flag, (low, high) in (("--prompt-words", self.prompt_words), ("--output-tokens", self.output_tokens)):
@@ -75,10 +80,12 @@ class LoadRequest:
 def make_requests(spec: LoadSpec) -> list[LoadRequest]:
     """The same request set for the same spec (seeded)."""
     rng = random.Random(spec.seed)
+    shared = random.Random(f"system-{spec.seed}")
+    system = "".join(shared.choice(WORDS) + " " for _ in range(spec.system_words))
     out, t = [], 0.0
     for _ in range(spec.requests):
         words = rng.randint(*spec.prompt_words)
-        out.append(LoadRequest(" ".join(rng.choice(WORDS) for _ in range(words)),
+        out.append(LoadRequest(system + " ".join(rng.choice(WORDS) for _ in range(words)),
                                rng.randint(*spec.output_tokens), t))
         t += rng.expovariate(spec.rate)
     return out
@@ -122,7 +129,7 @@ async def _one(client: Any, url: str, model: str, request: LoadRequest, headers:
 
 
 async def _drive(url: str, model: str, requests: list[LoadRequest], concurrency: int, api_key: str | None
-                 ) -> tuple[list[dict[str, Any]], float]:
+                 ) -> tuple[list[dict[str, Any]], float, dict[str, Any]]:
     import logging
 
     import httpx
@@ -140,25 +147,33 @@ async def _drive(url: str, model: str, requests: list[LoadRequest], concurrency:
             except httpx.HTTPError as err:  # refused, reset, timed out: that request failed
                 return {"error": f"{type(err).__name__}: {err}"}
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=concurrency)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=concurrency)) as client, \
+            httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as side:
+        poller, stop = MetricsPoller(side, url, headers), asyncio.Event()
+        polling = asyncio.create_task(poller.run(stop))
         results = await asyncio.gather(*(arrive(client, r) for r in requests))
-    return list(results), time.perf_counter() - start
+        wall = time.perf_counter() - start
+        stop.set()
+        await polling
+    return list(results), wall, poller.report()
 
 
 def run_server_load(url: str, model: str, requests: list[LoadRequest], concurrency: int,
                     api_key: str | None = None) -> dict[str, Any]:
-    """Replay ``requests`` against a running server; throughput and latency percentiles."""
-    results, wall = asyncio.run(_drive(url.rstrip("/"), model, requests, concurrency, api_key))
+    """Replay ``requests`` against a running server; throughput and latency percentiles, and what
+    the server's ``/metrics`` said about the run (``serve_metrics``)."""
+    results, wall, observed = asyncio.run(_drive(url.rstrip("/"), model, requests, concurrency, api_key))
     done = [r for r in results if "error" not in r]
     if not done:
         raise RuntimeError(f"no request was answered by {url}: {results[0]['error']}; is the server running "
                            "and --served-model-name right?")
     tokens = sum(r["tokens"] for r in done)
     return {"completed": len(done), "errors": len(results) - len(done), "wall_s": wall,
+            "refused_429": sum(1 for r in results if r.get("error") == 429),
             "completion_tokens": tokens, "throughput_tokens_per_s": tokens / wall,
             "ttft_s": percentiles([r["ttft"] for r in done]),
             "tpot_s": percentiles([r["tpot"] for r in done if r["tpot"] is not None]),
-            "e2e_s": percentiles([r["e2e"] for r in done])}
+            "e2e_s": percentiles([r["e2e"] for r in done]), "metrics": observed}
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-words", type=_range("--prompt-words"), default=(16, 256))
     p.add_argument("--output-tokens", type=_range("--output-tokens"), default=(16, 128))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--system-words", type=int, default=0,
+                   help="start every prompt with the same N words (a shared system prompt)")
     p.add_argument("--static-model", type=Path, help="also run the requests as static generate batches of this folder")
     p.add_argument("--tp", type=int, default=1, help="static batches: TP size")
     p.add_argument("--pp", type=int, default=1, help="static batches: PP size")
@@ -62,7 +64,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def config_from_args(args: argparse.Namespace) -> LoadgenConfig:
     spec = LoadSpec(requests=args.requests, rate=args.rate, concurrency=args.concurrency,
-                    prompt_words=args.prompt_words, output_tokens=args.output_tokens, seed=args.seed)
+                    prompt_words=args.prompt_words, output_tokens=args.output_tokens, seed=args.seed,
+                    system_words=args.system_words)
     if args.url is None and args.static_model is None:
         raise ValueError("give --url (a running server) and/or --static-model (static batches)")
     if args.url is not None and not args.model_name:
@@ -76,7 +79,8 @@ def config_from_args(args: argparse.Namespace) -> LoadgenConfig:
 def main(cfg: LoadgenConfig) -> int:
     requests = make_requests(cfg.spec)
     report: dict = {"requests": len(requests), "rate": cfg.spec.rate, "concurrency": cfg.spec.concurrency,
-                    "prompt_words": list(cfg.spec.prompt_words), "output_tokens": list(cfg.spec.output_tokens)}
+                    "prompt_words": list(cfg.spec.prompt_words), "output_tokens": list(cfg.spec.output_tokens),
+                    "system_words": cfg.spec.system_words}
     if cfg.url is not None:
         report["server"] = run_server_load(cfg.url, cfg.model_name, requests, cfg.spec.concurrency, cfg.api_key)
     if cfg.static_model is not None:
@@ -96,6 +100,13 @@ def main(cfg: LoadgenConfig) -> int:
                 print(f"{side}: {r['completed']} requests, {r['throughput_tokens_per_s']:.1f} tokens/s, "
                       f"TTFT p50 {r['ttft_s']['p50']:.3f} s p99 {r['ttft_s']['p99']:.3f} s, "
                       f"end-to-end p50 {r['e2e_s']['p50']:.3f} s")
+        observed = report.get("server", {}).get("metrics", {})
+        if "steps" in observed:
+            phases = observed["step_phase_s"]
+            busy = max(1e-9, sum(v or 0.0 for v in phases.values()))
+            print(f"server side: {observed['steps']:.0f} steps, at most {observed['peak_running_sequences']:.0f} "
+                  f"sequences at once, prefix-cache hits {100 * observed.get('prefix_cache_hit_ratio', 0.0):.0f}%; "
+                  "model loop: " + ", ".join(f"{p} {100 * (v or 0.0) / busy:.0f}%" for p, v in phases.items()))
         if "throughput_ratio" in report:
             print(f"server / static throughput: {report['throughput_ratio']:.2f}×")
     return 0

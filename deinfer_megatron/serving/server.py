@@ -39,6 +39,7 @@ from deinfer_megatron.generation.options import CacheOptions
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.layers.paged_cache import PagedContext
 from deinfer_megatron.parallel import comm
+from deinfer_megatron.planning.plan import make_plan
 from deinfer_megatron.planning.pricing import Workload
 from deinfer_megatron.planning.preflight import Footprint
 from deinfer_megatron.runtime.job import RankContext, check_job, prepare, run_prepared
@@ -116,6 +117,12 @@ class ServeJob:
         if self.block_size > self.tokens_per_sequence(arch):
             raise ValueError(f"--block-size {self.block_size} exceeds the {self.tokens_per_sequence(arch)} tokens of "
                              "a sequence (--max-seq-len); choose a smaller block")
+        if self.cache.budget_gb is not None:  # a budget that holds no block: refused before any rank starts
+            plan = make_plan(arch, rank_config, self.parallel.layout.fixed, tp=self.parallel.tp, pp=self.parallel.pp,
+                             dtype_bytes=self.dtype.itemsize)
+            pool_blocks(block_size=self.block_size, bytes_per_token=plan.totals["kv_bytes_per_token"][self.cache.kind.value],
+                        budget_gb=self.cache.budget_gb, max_running=self.max_batch,
+                        max_seq_len=self.tokens_per_sequence(arch))
 
     def workload(self) -> Workload:
         """A decode step of every running sequence (a fixed layout: not priced)."""
