@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 import random
 import statistics
 import time
@@ -27,10 +28,12 @@ from typing import Any
 
 from deinfer_megatron.arch.model import ModelArch
 from deinfer_megatron.bench.serve_metrics import MetricsPoller
+from deinfer_megatron.bench.serve_profile import StepProfileSpec, profile_served_steps, summarize
 from deinfer_megatron.generation.context import GenerationContext
 from deinfer_megatron.generation.loop import generate_tokens
 from deinfer_megatron.generation.sampling import SamplingParams
 from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.parallel import comm
 from deinfer_megatron.planning.pricing import Workload
 from deinfer_megatron.planning.preflight import Footprint
 from deinfer_megatron.runtime.job import RankContext, run_job
@@ -185,6 +188,7 @@ class StaticBatches:
     parallel: Parallelism
     kv_cache: CacheKind
     batches: tuple[tuple[tuple[tuple[int, ...], int], ...], ...]  # per batch: (prompt ids, max tokens)
+    profile: StepProfileSpec | None = None  # then also profile a served step on these ranks
     dtype = DType.FLOAT32
     engine = Engine.MEGATRON
     verify = True
@@ -213,8 +217,9 @@ class StaticBatches:
             raise ValueError(f"--kv-cache latent needs --layout {latent_cache_layouts()} (whole latents on every rank)")
 
 
-def _static_on_rank(ctx: RankContext) -> list[dict[str, float]] | None:
-    """Every batch in turn on this rank; each request's timings on global rank 0."""
+def _static_on_rank(ctx: RankContext) -> dict[str, Any] | None:
+    """Every batch in turn on this rank; each request's timings on global rank 0 (and, when asked,
+    every rank's profile of a served step: ``serve_profile``)."""
     rows: list[dict[str, float]] = []
     for batch in ctx.spec.batches:
         prompts = [list(p) for p, _ in batch]
@@ -226,20 +231,35 @@ def _static_on_rank(ctx: RankContext) -> list[dict[str, float]] | None:
         wall = time.perf_counter() - start
         rows += [{"ttft": timing.prefill_s, "e2e": wall, "tokens": min(len(o.token_ids), m), "batch_s": wall}
                  for o, (_, m) in zip(outputs, batch)]
-    return rows if ctx.reports else None
+    profile = None
+    if ctx.spec.profile is not None:
+        mine = profile_served_steps(ctx.stage, ctx.spec.profile, ctx.spec.kv_cache)
+        every = [pickle.loads(b) for b in comm.gather_bytes(pickle.dumps(mine), ctx.stage.device)]
+        profile = summarize(every[: ctx.stage.groups.tp_size])  # the first stage's TP ranks
+    return {"rows": rows, "profile": profile} if ctx.reports else None
 
 
 def run_static_batches(model: Path, requests: list[LoadRequest], concurrency: int, *, tp: int = 1, pp: int = 1,
-                       layout: Layout = Layout.DEINFER, kv_cache: CacheKind = CacheKind.FULL) -> dict[str, Any]:
-    """The same prompts as static batches of ``concurrency`` in arrival order (one rank start)."""
+                       layout: Layout = Layout.DEINFER, kv_cache: CacheKind = CacheKind.FULL,
+                       profile_chunk: int | None = None) -> dict[str, Any]:
+    """The same prompts as static batches of ``concurrency`` in arrival order (one rank start);
+    with ``profile_chunk``, also the profile of a served decode step of ``concurrency`` rows at
+    the requests' mean prompt length, and of it with ``profile_chunk`` prompt tokens more."""
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
     encoded = [(tuple(tokenizer(r.prompt, add_special_tokens=True)["input_ids"]), r.max_tokens) for r in requests]
     batches = tuple(tuple(encoded[i : i + concurrency]) for i in range(0, len(encoded), concurrency))
-    spec = StaticBatches(Path(model), Parallelism(tp, pp, layout), CacheKind.parse(kv_cache), batches)
-    rows = run_job(spec, _static_on_rank)
-    return static_report(requests, rows, concurrency)
+    profile = None
+    if profile_chunk is not None:
+        mean_prompt = round(statistics.fmean(len(p) for p, _ in encoded))
+        profile = StepProfileSpec(rows=concurrency, context=mean_prompt, chunk=profile_chunk)
+    spec = StaticBatches(Path(model), Parallelism(tp, pp, layout), CacheKind.parse(kv_cache), batches, profile)
+    result = run_job(spec, _static_on_rank)
+    report = static_report(requests, result["rows"], concurrency)
+    if result["profile"] is not None:
+        report["served_step_profile"] = result["profile"]
+    return report
 
 
 def static_report(requests: list[LoadRequest], rows: list[dict[str, float]], concurrency: int) -> dict[str, Any]:

@@ -27,6 +27,7 @@ class LoadgenConfig:
     pp: int = 1
     layout: Layout = Layout.DEINFER
     kv_cache: CacheKind = CacheKind.FULL
+    profile_chunk: int | None = None
     json: bool = False
 
 
@@ -58,6 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pp", type=int, default=1, help="static batches: PP size")
     p.add_argument("--layout", type=parsed_by(Layout.parse), choices=names(Layout), default=Layout.DEINFER)
     p.add_argument("--kv-cache", type=parsed_by(CacheKind.parse), choices=names(CacheKind), default=CacheKind.FULL)
+    p.add_argument("--profile", dest="profile_chunk", type=int, nargs="?", const=256, metavar="CHUNK",
+                   help="with --static-model: also profile a served decode step of --concurrency rows, and the "
+                        "same step with CHUNK (default 256) prompt tokens more, on the static batches' ranks")
     p.add_argument("--json", action="store_true")
     p.set_defaults(make_config=config_from_args, run=main)
 
@@ -70,10 +74,14 @@ def config_from_args(args: argparse.Namespace) -> LoadgenConfig:
         raise ValueError("give --url (a running server) and/or --static-model (static batches)")
     if args.url is not None and not args.model_name:
         raise ValueError("--url needs --served-model-name (the name in the server's /v1/models)")
+    if args.profile_chunk is not None and args.static_model is None:
+        raise ValueError("--profile needs --static-model (the folder whose served step it profiles)")
+    if args.profile_chunk is not None and args.profile_chunk < 1:
+        raise ValueError(f"--profile CHUNK must be at least 1 prompt token, got {args.profile_chunk}")
     return LoadgenConfig(url=args.url, model_name=args.model_name, spec=spec,
                          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                          static_model=args.static_model, tp=args.tp, pp=args.pp, layout=args.layout,
-                         kv_cache=args.kv_cache, json=args.json)
+                         kv_cache=args.kv_cache, profile_chunk=args.profile_chunk, json=args.json)
 
 
 def main(cfg: LoadgenConfig) -> int:
@@ -85,7 +93,8 @@ def main(cfg: LoadgenConfig) -> int:
         report["server"] = run_server_load(cfg.url, cfg.model_name, requests, cfg.spec.concurrency, cfg.api_key)
     if cfg.static_model is not None:
         report["static"] = run_static_batches(cfg.static_model, requests, cfg.spec.concurrency, tp=cfg.tp,
-                                              pp=cfg.pp, layout=cfg.layout, kv_cache=cfg.kv_cache)
+                                              pp=cfg.pp, layout=cfg.layout, kv_cache=cfg.kv_cache,
+                                              profile_chunk=cfg.profile_chunk)
     if "server" in report and "static" in report:
         server, static = report["server"], report["static"]
         report["throughput_ratio"] = server["throughput_tokens_per_s"] / max(1e-9, static["throughput_tokens_per_s"])
@@ -109,4 +118,10 @@ def main(cfg: LoadgenConfig) -> int:
                   "model loop: " + ", ".join(f"{p} {100 * (v or 0.0) / busy:.0f}%" for p, v in phases.items()))
         if "throughput_ratio" in report:
             print(f"server / static throughput: {report['throughput_ratio']:.2f}×")
+        for step, ranks in report.get("static", {}).get("served_step_profile", {}).items():
+            for r in ranks:
+                print(f"served {step} step, rank {r['tp_rank']}: {1e3 * r['step_s']:.1f} ms = GEMM "
+                      f"{1e3 * r['gemm_s']:.1f} + attention {1e3 * r['attention_s']:.1f} + waiting for peers "
+                      f"{1e3 * r['collective_wait_s']:.1f} + collectives {1e3 * r['collective_s']:.1f} + other "
+                      f"{1e3 * r['other_s']:.1f}")
     return 0

@@ -50,10 +50,16 @@ def test_static_batches_wait_for_their_last_arrival_and_the_previous_batch() -> 
 def test_static_batches_on_a_tiny_model(tmp_path) -> None:
     _, _, dec = full_rank_folders(tmp_path, "llama")
     requests = make_requests(LoadSpec(requests=5, rate=100, concurrency=2, prompt_words=(2, 6), output_tokens=(2, 5)))
-    report = run_static_batches(dec, requests, 2)
+    report = run_static_batches(dec, requests, 2, profile_chunk=4)
     assert report["completed"] == 5
     assert report["completion_tokens"] == sum(r.max_tokens for r in requests)  # each row counts its own
     assert report["ttft_s"]["p50"] <= report["e2e_s"]["p50"]
+    profile = report["served_step_profile"]  # a served step on the same rank: its parts add up to it
+    for step in ("decode", "mixed"):
+        (rank,) = profile[step]
+        parts = ("gemm_s", "attention_s", "collective_wait_s", "collective_s", "other_s")
+        assert rank["gemm_s"] > 0 and rank["attention_s"] >= rank["cache_s"] > 0 and rank["other_s"] >= 0
+        assert rank["collectives"] == 0 and sum(rank[p] for p in parts) == pytest.approx(rank["step_s"])
 
 
 def test_system_words_start_every_prompt_alike() -> None:
