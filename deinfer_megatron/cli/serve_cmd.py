@@ -18,6 +18,7 @@ from deinfer_megatron.launch.external import LAUNCHERS, run_under_launcher
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.runtime.options import DType, Engine, Parallelism
 from deinfer_megatron.serving.blocks import DEFAULT_BLOCK_SIZE
+from deinfer_megatron.serving.scheduler import DEFAULT_PREFILL_CHUNK
 from deinfer_megatron.serving.server import ServeJob, run_serve, validate
 from deinfer_megatron.specs.layout import Layout
 
@@ -64,12 +65,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="KV-cache memory per rank: sizes the block pool (default: --max-batch sequences of "
                         "--max-seq-len tokens)")
     p.add_argument("--max-seq-len", type=int,
-                   help="the most tokens of one sequence, prompt + max_tokens (default: the model's context, at most 2048)")
+                   help="the most tokens of one sequence, prompt + max_tokens (default: the model's context, "
+                        "at most 2048)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
     p.add_argument("--no-prefix-cache", dest="prefix_caching", action="store_false",
                    help="do not share the KV blocks of equal prompt prefixes between requests")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait to be admitted; more get 429")
-    p.add_argument("--prefill-chunk", type=int, default=256,
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                    help="the most prompt tokens fed in one step, over all arriving requests")
     p.add_argument("--served-model-name", help="the model name clients send (default: the folder's name)")
     p.add_argument("--api-key", help=f"require Authorization: Bearer KEY (or set {API_KEY_ENV})")

@@ -108,7 +108,8 @@ class PagedContext(BaseInferenceContext):
         for row in rows:
             end = row.start + row.length
             if row.length < 1 or row.start < 0 or end > self.max_sequence_length:
-                raise RuntimeError(f"row of {row.length} tokens from {row.start} lies outside 0..{self.max_sequence_length}")
+                raise RuntimeError(f"row of {row.length} tokens from {row.start} lies outside "
+                                   f"0..{self.max_sequence_length}")
             if len(row.table) * size < end or any(not 0 <= b < self.blocks for b in row.table):
                 raise RuntimeError(f"block table {row.table} does not hold positions up to {end} in a pool of "
                                    f"{self.blocks} blocks of {size}")

@@ -32,6 +32,8 @@ from deinfer_megatron.generation.sampling import SamplingParams
 from deinfer_megatron.serving.blocks import BlockManager, SeqBlocks, block_keys, blocks_for
 from deinfer_megatron.serving.step import Row, StepPlan
 
+DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step (docs/SERVING.md, "The prompt budget of a step")
+
 
 class QueueFull(RuntimeError):
     """The wait queue holds ``--max-queue`` requests already (HTTP 429)."""
@@ -110,7 +112,8 @@ class Scheduler:
     """
 
     def __init__(self, *, pool: BlockManager, max_running: int, max_seq_len: int, max_queue: int,
-                 decode: Callable[[list[int]], str], eos_ids: frozenset[int], prefill_chunk: int = 256) -> None:
+                 decode: Callable[[list[int]], str], eos_ids: frozenset[int],
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
         self.pool, self.max_running, self.max_seq_len, self.max_queue = pool, max_running, max_seq_len, max_queue
         self.decode, self.eos_ids, self.prefill_chunk = decode, eos_ids, prefill_chunk
         self._waiting: deque[Request] = deque()

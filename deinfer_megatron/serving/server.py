@@ -47,7 +47,7 @@ from deinfer_megatron.runtime.options import DType, Engine, Parallelism
 from deinfer_megatron.serving.http import ServerState, build_app
 from deinfer_megatron.serving.metrics import ServerMetrics
 from deinfer_megatron.serving.blocks import DEFAULT_BLOCK_SIZE, BlockManager, pool_blocks
-from deinfer_megatron.serving.scheduler import Scheduler
+from deinfer_megatron.serving.scheduler import DEFAULT_PREFILL_CHUNK, Scheduler
 from deinfer_megatron.serving.stats import PHASES, StepStats
 from deinfer_megatron.serving.step import StepPlan, StepRunner, exchange_plan
 from deinfer_megatron.specs.layout import LayoutPlan, factored_layouts, latent_cache_layouts
@@ -76,7 +76,7 @@ class ServeJob:
     prefix_caching: bool = True
     served_model_name: str | None = None  # None: the folder's name
     api_key: str | None = None
-    prefill_chunk: int = 256
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens per step, over all prefilling sequences
     default_max_tokens: int = 16  # OpenAI's default for completions
     verify: bool = True
 
@@ -120,9 +120,9 @@ class ServeJob:
         if self.cache.budget_gb is not None:  # a budget that holds no block: refused before any rank starts
             plan = make_plan(arch, rank_config, self.parallel.layout.fixed, tp=self.parallel.tp, pp=self.parallel.pp,
                              dtype_bytes=self.dtype.itemsize)
-            pool_blocks(block_size=self.block_size, bytes_per_token=plan.totals["kv_bytes_per_token"][self.cache.kind.value],
-                        budget_gb=self.cache.budget_gb, max_running=self.max_batch,
-                        max_seq_len=self.tokens_per_sequence(arch))
+            per_token = plan.totals["kv_bytes_per_token"][self.cache.kind.value]
+            pool_blocks(block_size=self.block_size, bytes_per_token=per_token, budget_gb=self.cache.budget_gb,
+                        max_running=self.max_batch, max_seq_len=self.tokens_per_sequence(arch))
 
     def workload(self) -> Workload:
         """A decode step of every running sequence (a fixed layout: not priced)."""
@@ -172,9 +172,9 @@ class _Lead:
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(job.model)
         self.tokenizer_lock = threading.Lock()  # HF tokenizers are used by two threads here
         pool = BlockManager(blocks, job.block_size, prefix_caching=job.prefix_caching)
-        self.scheduler = Scheduler(pool=pool, max_running=job.max_batch, max_seq_len=max_seq_len, max_queue=job.max_queue,
-                                   decode=self.decode, eos_ids=eos_ids(job.model, self.tokenizer),
-                                   prefill_chunk=job.prefill_chunk)
+        self.scheduler = Scheduler(pool=pool, max_running=job.max_batch, max_seq_len=max_seq_len,
+                                   max_queue=job.max_queue, decode=self.decode,
+                                   eos_ids=eos_ids(job.model, self.tokenizer), prefill_chunk=job.prefill_chunk)
         self.metrics = ServerMetrics(kv_bytes)
         self.stats = StepStats()
         log.info("KV pool: %d blocks of %d tokens (%.1f MB per rank, %s cache), prefix caching %s", blocks,

@@ -30,7 +30,8 @@ from tests.robustness.test_inputs import cli_error
 SYSTEM = "You are a careful assistant. Answer briefly and plainly, in one sentence:"
 USERS = ("Alice", "Bob", "Carol")  # each long request's prompt starts apart: they share no block
 LONG = [f"{u} says: {SYSTEM} tell me about {w}" for u, w in zip(USERS, ("rivers", "mountains", "forests"))]
-SHORT = [f"{USERS[i % 3]} says: {SYSTEM} name a {w}" for i, w in enumerate(("colour", "fruit", "planet", "metal", "bird"))]
+SHORT = [f"{USERS[i % 3]} says: {SYSTEM} name a {w}"
+         for i, w in enumerate(("colour", "fruit", "planet", "metal", "bird"))]
 LONG_TOKENS, LONG_CHUNKS, SHORT_TOKENS, BLOCK = 1900, 40, 6, 4
 
 
