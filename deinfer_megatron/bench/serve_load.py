@@ -6,6 +6,11 @@ time from a request's send to its first text chunk, TPOT the time after that per
 end-to-end the time to its last chunk; throughput is the completion tokens the server reports
 (``usage``) over the wall time from the first arrival to the last answer.
 
+On a machine shared with other work the wall times of the two sides, run one after the other,
+see different loads; the CPU seconds each side's model thread was given (the server's model
+loop and HTTP threads, from its ``/metrics``; the static rank 0's thread) do not, so the report
+also gives the throughput per CPU second of each side and their ratio.
+
 The static side loads the model once in fresh ranks and runs the same prompts, in arrival order,
 as batches of ``concurrency`` with the project's generation loop: every batch generates up to the
 longest ``max_tokens`` of its rows (that is what a static batch does); each request counts its own
@@ -225,12 +230,12 @@ def _static_on_rank(ctx: RankContext) -> dict[str, Any] | None:
         prompts = [list(p) for p, _ in batch]
         longest = max(m for _, m in batch)
         context = GenerationContext(len(prompts), max(map(len, prompts)) + longest, kv_cache=ctx.spec.kv_cache)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         outputs, timing = generate_tokens(ctx.stage, prompts, max_new_tokens=longest, params=SamplingParams(),
                                           context=context)
-        wall = time.perf_counter() - start
-        rows += [{"ttft": timing.prefill_s, "e2e": wall, "tokens": min(len(o.token_ids), m), "batch_s": wall}
-                 for o, (_, m) in zip(outputs, batch)]
+        wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
+        rows += [{"ttft": timing.prefill_s, "e2e": wall, "tokens": min(len(o.token_ids), m), "batch_s": wall,
+                  "batch_cpu_s": cpu} for o, (_, m) in zip(outputs, batch)]
     profile = None
     if ctx.spec.profile is not None:
         mine = profile_served_steps(ctx.stage, ctx.spec.profile, ctx.spec.kv_cache)
@@ -265,14 +270,15 @@ def run_static_batches(model: Path, requests: list[LoadRequest], concurrency: in
 def static_report(requests: list[LoadRequest], rows: list[dict[str, float]], concurrency: int) -> dict[str, Any]:
     """Latency of static batching under the same arrivals: a batch starts when its last request
     has arrived and the previous batch is done; each request waits for its batch's start."""
-    ttft, e2e, end = [], [], 0.0
+    ttft, e2e, end, cpu = [], [], 0.0, 0.0
     for i in range(0, len(rows), concurrency):
         batch = list(zip(requests[i : i + concurrency], rows[i : i + concurrency]))
         start = max(end, max(r.arrival_s for r, _ in batch))
         end = start + batch[0][1]["batch_s"]
+        cpu += batch[0][1].get("batch_cpu_s", 0.0)
         ttft += [start - r.arrival_s + row["ttft"] for r, row in batch]
         e2e += [end - r.arrival_s for r, _ in batch]
     tokens = sum(r["tokens"] for r in rows)
     return {"completed": len(rows), "wall_s": end, "completion_tokens": tokens,
-            "throughput_tokens_per_s": tokens / end if end else 0.0,
+            "throughput_tokens_per_s": tokens / end if end else 0.0, "cpu_s": cpu,
             "ttft_s": percentiles(ttft), "e2e_s": percentiles(e2e)}

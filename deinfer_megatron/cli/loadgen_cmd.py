@@ -100,6 +100,11 @@ def main(cfg: LoadgenConfig) -> int:
         report["throughput_ratio"] = server["throughput_tokens_per_s"] / max(1e-9, static["throughput_tokens_per_s"])
         report["server_p99_ttft_below_static_p50_e2e"] = (
             server["ttft_s"]["p99"] is not None and server["ttft_s"]["p99"] < static["e2e_s"]["p50"])
+        threads = server.get("metrics", {}).get("thread_cpu_s", {})
+        server_cpu = sum(v or 0.0 for v in threads.values())
+        if server_cpu > 0 and static["cpu_s"] > 0:  # the same work per CPU second given, whatever the load
+            report["throughput_ratio_per_cpu_s"] = ((server["completion_tokens"] / server_cpu)
+                                                    / (static["completion_tokens"] / static["cpu_s"]))
     if cfg.json:
         emit_json(report, indent=2)
     else:
@@ -117,7 +122,9 @@ def main(cfg: LoadgenConfig) -> int:
                   f"sequences at once, prefix-cache hits {100 * observed.get('prefix_cache_hit_ratio', 0.0):.0f}%; "
                   "model loop: " + ", ".join(f"{p} {100 * (v or 0.0) / busy:.0f}%" for p, v in phases.items()))
         if "throughput_ratio" in report:
-            print(f"server / static throughput: {report['throughput_ratio']:.2f}×")
+            print(f"server / static throughput: {report['throughput_ratio']:.2f}×"
+                  + (f" ({report['throughput_ratio_per_cpu_s']:.2f}× per CPU second)"
+                     if "throughput_ratio_per_cpu_s" in report else ""))
         for step, ranks in report.get("static", {}).get("served_step_profile", {}).items():
             for r in ranks:
                 print(f"served {step} step, rank {r['tp_rank']}: {1e3 * r['step_s']:.1f} ms = GEMM "

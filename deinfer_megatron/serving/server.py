@@ -290,6 +290,9 @@ def _serve_on_rank(ctx: RankContext) -> dict[str, Any] | None:
             while not (plan := exchange_plan(None, stage.device)).stop:
                 runner.run(plan)
             return None
+        if not logging.getLogger().handlers:  # a rank this command spawned: its log lines as the command's
+            logging.basicConfig(level=logging.INFO, format="[rank 0] %(levelname)s %(name)s: %(message)s")
+            logging.getLogger("megatron").setLevel(logging.WARNING)
         try:
             assert sock is not None, "global rank 0 is the launcher's RANK 0"
             lead = _Lead(job, runner, blocks, longest, blocks * block_bytes)

@@ -54,6 +54,7 @@ def test_static_batches_on_a_tiny_model(tmp_path) -> None:
     assert report["completed"] == 5
     assert report["completion_tokens"] == sum(r.max_tokens for r in requests)  # each row counts its own
     assert report["ttft_s"]["p50"] <= report["e2e_s"]["p50"]
+    assert 0 < report["cpu_s"] <= report["wall_s"] * 1.05  # one thread: never more CPU than wall time
     profile = report["served_step_profile"]  # a served step on the same rank: its parts add up to it
     for step in ("decode", "mixed"):
         (rank,) = profile[step]
