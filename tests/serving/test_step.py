@@ -2,8 +2,8 @@
 different steps, share few blocks, prefill together and beside running decodes, share prompt
 prefixes, and wait for blocks in a full pool — each still produces what Hugging Face ``generate``
 produces for it alone (greedy) and what the project's unpaged loop produces, for both KV caches,
-RoPE (LLaMA) and learned positions (OPT), at TP=1 and TP=3. A seeded sampled request draws what
-``generate``'s own loop draws for it alone.
+RoPE (LLaMA) and learned positions (OPT), at TP=1, TP=3 and PP=2. A seeded sampled request draws
+what ``generate``'s own loop draws for it alone.
 """
 
 from __future__ import annotations
@@ -134,3 +134,30 @@ def test_tp3_paged_steps_equal_generation_alone(tmp_path) -> None:
     assert len(results) == 9
     for key, driven in results.items():
         check_case(key, driven, expected[key.rsplit("/", 1)[1]])
+
+
+def pp2_worker(folder: str) -> dict[str, Any] | None:
+    from deinfer_megatron.models.build import load_folder
+    from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+    from deinfer_megatron.specs.layout import Layout
+
+    groups = init_parallel(1, 2)
+    lead = groups.global_rank == 0
+    out: dict[str, Any] = {}
+    try:
+        stage = load_folder(Path(folder), Layout.DEINFER, groups)
+        for case in ("shared", "full-pool"):
+            prompts, new, arrive, options = CASES[case]
+            out[case] = drive_steps(stage, prompts, new, arrive, **options)
+    finally:
+        shutdown()
+    return out if lead else None
+
+
+def test_pp2_paged_steps_equal_generation_alone(tmp_path) -> None:
+    """Two pipeline stages: the packed step's hidden states go from the first stage to the
+    last, which samples; the tokens come back to rank 0's scheduler."""
+    hf, _, dec = full_rank_folders(tmp_path, **HEADS9)
+    results = run_ranks(2, pp2_worker, str(dec))[0]
+    for case, driven in results.items():
+        check_case(case, driven, greedy_alone(hf, CASES[case][0], CASES[case][1]))
