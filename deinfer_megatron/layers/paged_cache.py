@@ -95,6 +95,7 @@ class PagedContext(BaseInferenceContext):
         return False
 
     def is_decode_only(self) -> bool:
+        """Every row of the step feeds one token (Megatron asks, to chunk a prefill's MLP)."""
         return bool(self.groups) and all(g.single for g in self.groups)
 
     def begin_step(self, rows: Sequence[PagedRow], device: torch.device | str) -> None:
@@ -120,7 +121,7 @@ class PagedContext(BaseInferenceContext):
             if row.logits:
                 sampled.append(count - 1)
         if len(set(entries)) != len(entries):
-            raise RuntimeError("two tokens of one step write the same KV entry (a shared block written)")
+            raise RuntimeError("two tokens of one step write the same KV entry (rows share a block they write)")
         self.positions = torch.tensor(positions, dtype=torch.long, device=device).unsqueeze(1)
         self.entries = torch.tensor(entries, dtype=torch.long, device=device)
         self._sampled = torch.tensor(sampled, dtype=torch.long, device=device)
@@ -130,10 +131,6 @@ class PagedContext(BaseInferenceContext):
         """Megatron's dynamic-batching hook: ``[1, T, h]`` → the ``[n, h]`` rows that sample."""
         assert self._sampled is not None, "begin_step names the rows before a forward"
         return hidden[0].index_select(0, self._sampled)
-
-    @property
-    def sampled_rows(self) -> int:
-        return 0 if self._sampled is None else int(self._sampled.numel())
 
     def cache_bytes(self) -> int:
         """Bytes this rank holds in its pools (allocated on each layer's first forward)."""
