@@ -44,9 +44,9 @@ from deinfer_megatron.planning.pricing import Workload
 from deinfer_megatron.planning.preflight import Footprint
 from deinfer_megatron.runtime.job import RankContext, check_job, prepare, run_prepared
 from deinfer_megatron.runtime.options import DType, Engine, Parallelism
+from deinfer_megatron.serving.blocks import DEFAULT_BLOCK_SIZE, BlockManager, pool_blocks
 from deinfer_megatron.serving.http import ServerState, build_app
 from deinfer_megatron.serving.metrics import ServerMetrics
-from deinfer_megatron.serving.blocks import DEFAULT_BLOCK_SIZE, BlockManager, pool_blocks
 from deinfer_megatron.serving.scheduler import DEFAULT_PREFILL_CHUNK, Scheduler
 from deinfer_megatron.serving.stats import PHASES, StepStats
 from deinfer_megatron.serving.step import StepPlan, StepRunner, exchange_plan
@@ -206,6 +206,7 @@ class _Lead:
         config = uvicorn.Config(build_app(state), host=self.job.host, port=self.job.port, log_level="warning",
                                 lifespan="off", timeout_graceful_shutdown=10)
         self.http = uvicorn.Server(config)
+
         def run_http() -> None:
             self.stats.http_thread = threading.get_native_id()
             self.http.run(sockets=[sock])
