@@ -157,6 +157,6 @@ def test_the_projects_imports_are_at_module_level() -> None:
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top:
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                if node.level or any(n.split(".")[0] == "deinfer_megatron" for n in names):
+                if getattr(node, "level", 0) or any(n.split(".")[0] == "deinfer_megatron" for n in names):
                     hidden.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")
     assert not hidden, "imports of the project's modules inside functions:\n" + "\n".join(hidden)
