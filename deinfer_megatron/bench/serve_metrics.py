@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from deinfer_megatron.serving.stats import PHASES
+
 POLL_S = 0.25
-PHASES = ("idle", "schedule", "exchange", "forward", "complete")
 
 
 def parse_metrics(text: str) -> dict[str, float]:

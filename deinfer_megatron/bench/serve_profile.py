@@ -33,12 +33,11 @@ from deinfer_megatron.generation.sampling import SamplingParams
 from deinfer_megatron.layers.paged_cache import PagedContext
 from deinfer_megatron.parallel import comm
 from deinfer_megatron.parallel.topology import TPView
-from deinfer_megatron.serving.blocks import blocks_for
+from deinfer_megatron.serving.blocks import DEFAULT_BLOCK_SIZE, blocks_for
 from deinfer_megatron.serving.step import Row, StepPlan, StepRunner
 
 ATTENTION_OPS = frozenset({"aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu"})
 CACHE_OPS = frozenset({"aten::index", "aten::index_put_"})
-BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -77,8 +76,8 @@ def _profiled(runner: StepRunner, plan: StepPlan, tp: Any) -> tuple[RankProfile,
 def profile_served_steps(stage: Any, spec: StepProfileSpec, kv_cache: Any) -> dict[str, Any]:
     """This rank's profiles of a decode and a mixed step (raw; ``summarize`` lines the ranks up)."""
     longest = spec.context + spec.warmup + 2 + max(spec.chunk, 1)
-    per_seq = blocks_for(longest, BLOCK_SIZE)
-    context = PagedContext((spec.rows + 1) * per_seq, BLOCK_SIZE, longest, kv_cache=kv_cache)
+    per_seq = blocks_for(longest, DEFAULT_BLOCK_SIZE)
+    context = PagedContext((spec.rows + 1) * per_seq, DEFAULT_BLOCK_SIZE, longest, kv_cache=kv_cache)
     runner = StepRunner(stage, context)
     tables = [tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(spec.rows + 1)]
     runner.run(StepPlan(start={i: SamplingParams() for i in range(spec.rows + 1)}))

@@ -132,10 +132,6 @@ class PagedContext(BaseInferenceContext):
         assert self._sampled is not None, "begin_step names the rows before a forward"
         return hidden[0].index_select(0, self._sampled)
 
-    def cache_bytes(self) -> int:
-        """Bytes this rank holds in its pools (allocated on each layer's first forward)."""
-        return sum(c.nbytes for c in self.key_value_memory_dict.values())
-
 
 def _groups(rows: Sequence[PagedRow], size: int, device: torch.device | str) -> list[_Group]:
     """Consecutive single-token rows form one group; every longer row is a group of its own."""

@@ -35,14 +35,19 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
+def _next_key(previous: bytes, block: Sequence[int]) -> bytes:
+    """The key of a full block of token ids ``block`` behind the block whose key is ``previous``
+    (``b""`` for the first block)."""
+    return hashlib.blake2b(previous + array("q", block).tobytes(), digest_size=16).digest()
+
+
 def block_keys(tokens: Sequence[int], block_size: int, count: int | None = None) -> list[bytes]:
     """The keys of the first ``count`` full blocks of ``tokens`` (all of them by default): each
     a digest of the previous key and the block's token ids."""
     full = len(tokens) // block_size if count is None else min(count, len(tokens) // block_size)
     keys, previous = [], b""
     for k in range(full):
-        chunk = array("q", tokens[k * block_size : (k + 1) * block_size]).tobytes()
-        previous = hashlib.blake2b(previous + chunk, digest_size=16).digest()
+        previous = _next_key(previous, tokens[k * block_size : (k + 1) * block_size])
         keys.append(previous)
     return keys
 
@@ -97,9 +102,9 @@ class BlockManager:
         """Blocks findable in the prefix cache (in use or not)."""
         return len(self._table)
 
-    def fits(self, tokens: int) -> bool:
-        """Whether a sequence of ``tokens`` tokens could ever fit in the pool."""
-        return blocks_for(tokens, self.block_size) <= self.blocks
+    def fits(self, tokens: int, sequences: int = 1) -> bool:
+        """Whether ``sequences`` sequences of ``tokens`` tokens each could ever fit in the pool."""
+        return sequences * blocks_for(tokens, self.block_size) <= self.blocks
 
     # ---------------------------------------------------------------- admission and growth
     def _hits(self, keys: list[bytes], prompt_len: int) -> list[int]:
@@ -161,8 +166,7 @@ class BlockManager:
             return
         previous = seq.keys[-1] if seq.keys else b""
         for k in range(len(seq.keys), full):
-            chunk = array("q", tokens[k * self.block_size : (k + 1) * self.block_size]).tobytes()
-            previous = hashlib.blake2b(previous + chunk, digest_size=16).digest()
+            previous = _next_key(previous, tokens[k * self.block_size : (k + 1) * self.block_size])
             seq.keys.append(previous)
             block = seq.table[k]
             if previous not in self._table and self._key[block] is None:
@@ -180,6 +184,14 @@ class BlockManager:
                     self._free.append(block)
         self._reserved -= seq.reserved
         seq.table, seq.reserved = [], 0
+
+    def withdraw(self, seq: SeqBlocks, prompt_len: int) -> None:
+        """Undo an ``admit`` of a ``prompt_len``-token prompt whose request does not start after
+        all (another of its ``n`` sequences found no room): its blocks go back and its prompt is
+        not counted in the hit rate (the request is counted when it is admitted)."""
+        self.queried_tokens -= prompt_len
+        self.hit_tokens -= seq.cached
+        self.release(seq)
 
     @property
     def hit_rate(self) -> float:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from deinfer_megatron.generation.sampling import SamplingParams
-from deinfer_megatron.serving.blocks import BlockManager, SeqBlocks, block_keys, blocks_for
+from deinfer_megatron.serving.blocks import BlockManager, SeqBlocks, block_keys
 from deinfer_megatron.serving.step import Row, StepPlan
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step (docs/SERVING.md, "The prompt budget of a step")
@@ -136,7 +136,7 @@ class Scheduler:
         if request.n > self.max_running:
             raise ValueError(f"n = {request.n} exceeds the {self.max_running} sequences the server runs at once")
         pool = self.pool
-        if request.n * blocks_for(needed, pool.block_size) > pool.blocks:
+        if not pool.fits(needed, request.n):
             raise ValueError(f"n = {request.n} sequences of {needed} tokens (prompt + max_tokens) need more than "
                              f"the KV pool's {pool.blocks} blocks of {pool.block_size} tokens; lower max_tokens "
                              "or n (or start the server with a larger --kv-budget-gb)")
@@ -218,7 +218,7 @@ class Scheduler:
             blocks = self.pool.admit(request.keys, len(request.prompt), worst)
             if blocks is None:
                 for taken in claimed:
-                    self.pool.release(taken)
+                    self.pool.withdraw(taken, len(request.prompt))
                 return False
             claimed.append(blocks)
         for index, (params, blocks) in enumerate(zip(request.sampling, claimed)):

@@ -95,3 +95,17 @@ def test_a_disabled_prefix_cache_shares_nothing() -> None:
     pool.register(a, prompt, 5)
     b = pool.admit(block_keys(prompt, 2), 5, 5)
     assert b.cached == 0 and pool.cached == 0 and blocks_for(5, 2) == 3
+
+
+def test_a_withdrawn_admission_gives_back_its_blocks_and_is_not_counted() -> None:
+    pool = BlockManager(6, 4)
+    prompt = list(range(10, 19))  # 9 tokens: 2 full blocks
+    a = pool.admit(block_keys(prompt, 4), 9, 12)
+    pool.grow(a, 9)
+    pool.register(a, prompt, 9)
+    assert (pool.available, pool.queried_tokens, pool.hit_tokens) == (3, 9, 0)
+    b = pool.admit(block_keys(prompt, 4), 9, 12)  # shares a's 2 full blocks, reserves 1
+    assert b.cached == 8 and pool.available == 2 and pool.hit_tokens == 8
+    pool.withdraw(b, 9)  # another choice of b's request found no room: b never started
+    assert (pool.available, pool.queried_tokens, pool.hit_tokens) == (3, 9, 0)
+    assert pool.fits(12, 2) and not pool.fits(12, 3), "2 sequences of 3 blocks fit 6 blocks, 3 do not"

@@ -104,3 +104,21 @@ def test_queue_bound_slots_cancel_and_drain() -> None:
     s.drain()
     with pytest.raises(Draining):
         s.submit(request("d", 1, events))
+
+
+def test_a_request_whose_choices_do_not_all_fit_waits_and_is_counted_once_admitted() -> None:
+    events: list[Event] = []
+    s = Scheduler(pool=BlockManager(8, BLOCK), max_running=4, max_seq_len=16, max_queue=4, decode=decode,
+                  eos_ids=frozenset())
+    s.submit(request("abcdefghi", 7, events))  # 16 tokens: 4 of the 8 blocks
+    first = s.next_plan()
+    s.complete(first, [ord("x")])  # its prompt is in the cache: "abcd" and "efgh" are findable
+    s.submit(request("abcdXYZWQ", 7, events, n=2))  # "abcd" found, 3 blocks more per choice: one fits, not two
+    second = s.next_plan()
+    assert s.queue_length == 1 and s.running == 1 and list(second.start) == []
+    assert (s.pool.queried_tokens, s.pool.hit_tokens, s.pool.available) == (9, 0, 4), "nothing claimed or counted"
+    s.complete(second, [ord("y")])
+    run(s, {0: "abcde", 1: "ABCDEFG", 2: "HIJKLMN"})
+    assert [e.finish_reason for e in events if e.kind == "done"] == ["length"] * 3
+    assert (s.pool.queried_tokens, s.pool.hit_tokens) == (9 + 2 * 9, 2 * BLOCK), "each choice found abcd once"
+    assert text_of(events, 1) == "HIJKLMN"
