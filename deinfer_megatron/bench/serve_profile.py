@@ -83,7 +83,7 @@ def profile_served_steps(stage: Any, spec: StepProfileSpec, kv_cache: Any) -> di
     runner.run(StepPlan(start={i: SamplingParams() for i in range(spec.rows + 1)}))
     prompt = tuple(1000 + (7 * k) % 20000 for k in range(max(spec.context, spec.chunk)))
     for i in range(spec.rows):  # every row's prompt in the cache, one row per step
-        runner.run(StepPlan(rows=[Row(i, 0, prompt[: spec.context], tables[i], True)]))
+        runner.run(StepPlan(rows=[Row(i, 0, prompt[: spec.context], tables[i], True, prompt=True)]))
 
     def decode(step: int) -> list[Row]:
         return [Row(i, spec.context + step, (2000 + i,), tables[i], True) for i in range(spec.rows)]
@@ -93,7 +93,8 @@ def profile_served_steps(stage: Any, spec: StepProfileSpec, kv_cache: Any) -> di
     tp = TPView.of(stage.groups.pg_collection.tp)
     out = {}
     step = spec.warmup
-    for name, extra in (("decode", []), ("mixed", [Row(spec.rows, 0, prompt[: spec.chunk], tables[spec.rows], True)])):
+    chunk = Row(spec.rows, 0, prompt[: spec.chunk], tables[spec.rows], True, prompt=True)
+    for name, extra in (("decode", []), ("mixed", [chunk])):
         profile, attention, cache = _profiled(runner, StepPlan(rows=decode(step) + extra), tp)
         out[name] = {"profile": profile, "attention_s": attention, "cache_s": cache}
         step += 1

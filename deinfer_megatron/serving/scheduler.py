@@ -252,7 +252,7 @@ class Scheduler:
                 budget -= end - seq.computed
                 self.pool.grow(seq.blocks, end)
                 prefills.append(Row(seq.id, seq.computed, tuple(prompt[seq.computed : end]),
-                                    tuple(seq.blocks.table), end == len(prompt)))
+                                    tuple(seq.blocks.table), end == len(prompt), prompt=True))
         plan.rows += prefills  # single-token rows first: they attend as one batch
         return plan
 

@@ -30,13 +30,15 @@ from deinfer_megatron.parallel import comm
 class Row:
     """Sequence ``seq`` feeds ``tokens`` from position ``start``, in the blocks ``table``;
     ``sample``: its last token's logits give the sequence's next token (a decode step, or the
-    chunk that ends its prompt)."""
+    chunk that ends its prompt); ``prompt``: the tokens are the prompt's (a prefill chunk, which
+    may be a single token when the prefix cache held the rest)."""
 
     seq: int
     start: int
     tokens: tuple[int, ...]
     table: tuple[int, ...]
     sample: bool
+    prompt: bool = False
 
 
 @dataclass
@@ -56,12 +58,13 @@ class StepPlan:
 
     @property
     def decoded(self) -> int:
-        """Rows of one token whose sequence samples (decode steps)."""
-        return sum(1 for r in self.rows if r.sample and len(r.tokens) == 1)
+        """Rows that decode: one generated token each."""
+        return sum(1 for r in self.rows if not r.prompt)
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(r.tokens) for r in self.rows) - self.decoded
+        """Prompt tokens fed in this step, over all prefill chunks."""
+        return sum(len(r.tokens) for r in self.rows if r.prompt)
 
 
 def exchange_plan(plan: StepPlan | None, device: torch.device) -> StepPlan:

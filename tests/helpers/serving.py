@@ -121,7 +121,7 @@ def drive_steps(stage: Any, prompts: list[list[int]], max_new: list[int], arrive
                 scheduler.submit(requests[i])
         cached = pool.cached
         plan = scheduler.next_plan()
-        prompt_rows = [r for r in plan.rows if not (r.sample and len(r.tokens) == 1)]
+        prompt_rows = [r for r in plan.rows if r.prompt]
         seen.mixed |= plan.decoded > 0 and plan.prompt_tokens > 0
         seen.batched_prefill |= len(prompt_rows) >= 2
         seen.waited |= scheduler.queue_length > 0 and scheduler.running < max_running

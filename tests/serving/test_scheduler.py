@@ -122,3 +122,18 @@ def test_a_request_whose_choices_do_not_all_fit_waits_and_is_counted_once_admitt
     assert [e.finish_reason for e in events if e.kind == "done"] == ["length"] * 3
     assert (s.pool.queried_tokens, s.pool.hit_tokens) == (9 + 2 * 9, 2 * BLOCK), "each choice found abcd once"
     assert text_of(events, 1) == "HIJKLMN"
+
+
+def test_a_prompt_the_prefix_cache_holds_but_its_last_token_is_one_prompt_token() -> None:
+    events: list[Event] = []
+    s = scheduler(2, 16, max_queue=4, decode=decode, eos_ids=frozenset())
+    s.submit(request("abcdefghi", 2, events))
+    run(s, {0: "xy"})
+    s.submit(request("abcdefghZ", 2, events))  # "abcd" and "efgh" found: only "Z" is fed
+    plan = s.next_plan()
+    (row,) = plan.rows
+    assert row.tokens == (ord("Z"),) and row.start == 8 and row.prompt and row.sample
+    assert (plan.prompt_tokens, plan.decoded) == (1, 0), "a prompt token, not a decoded one"
+    s.complete(plan, [ord("u")])
+    plan = s.next_plan()
+    assert (plan.prompt_tokens, plan.decoded) == (0, 1)
