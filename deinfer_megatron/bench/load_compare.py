@@ -39,7 +39,7 @@ def compare(report: dict[str, Any]) -> dict[str, Any]:
     """Every side's row, by name (``server``, ``static``, then each peer), and the server's
     throughput ÷ each other side's, over the wall time and per CPU second."""
     sides = {name: report[name] for name in ("server", "static") if name in report}
-    sides.update(report.get("peers", {}))
+    sides.update((name, peer) for name, peer in report.get("peers", {}).items() if "error" not in peer)
     rows = {name: side_row(side) for name, side in sides.items()}
     ratios = {}
     if "server" in rows:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from deinfer_megatron.bench.load_compare import compare, text_table
 from deinfer_megatron.bench.load_peers import LoadPeer, parse_peers, peer_threads, run_load_peer
+from deinfer_megatron.bench.records import first_line
 from deinfer_megatron.bench.serve_load import LoadSpec, make_requests, run_server_load, run_static_batches
 from deinfer_megatron.checkpoints.folder import open_config
 from deinfer_megatron.cli.arguments import names, parsed_by
@@ -120,9 +122,14 @@ def main(cfg: LoadgenConfig) -> int:
         report["static"] = run_static_batches(cfg.static_model, requests, cfg.spec.concurrency, tp=cfg.tp,
                                               pp=cfg.pp, layout=cfg.layout, kv_cache=cfg.kv_cache,
                                               profile_chunk=cfg.profile_chunk)
+    failed = []
     for peer in cfg.peers:
-        report.setdefault("peers", {})[peer.value], _ = run_load_peer(peer, cfg.peer_model, requests,
-                                                                     cfg.spec.concurrency, cfg.peer_threads)
+        try:
+            report.setdefault("peers", {})[peer.value], _ = run_load_peer(peer, cfg.peer_model, requests,
+                                                                         cfg.spec.concurrency, cfg.peer_threads)
+        except Exception as err:  # noqa: BLE001 - a failed peer is recorded; the other sides' numbers stay
+            report.setdefault("peers", {})[peer.value] = {"error": first_line(err)}
+            failed.append(f"peer {peer.value} failed: {first_line(err)}")
     report["comparison"] = compare(report)
     if "server" in report and "static" in report:
         server, static = report["server"], report["static"]
@@ -151,4 +158,6 @@ def main(cfg: LoadgenConfig) -> int:
                       f"{1e3 * r['gemm_s']:.1f} + attention {1e3 * r['attention_s']:.1f} + waiting for peers "
                       f"{1e3 * r['collective_wait_s']:.1f} + collectives {1e3 * r['collective_s']:.1f} + other "
                       f"{1e3 * r['other_s']:.1f}")
-    return 0
+    for line in failed:
+        print(line, file=sys.stderr)
+    return 1 if failed else 0

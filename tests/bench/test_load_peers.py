@@ -90,7 +90,8 @@ def test_side_by_side_report_from_hand_made_timestamps() -> None:
     server = {"completion_tokens": 10, "wall_s": 2.5, "throughput_tokens_per_s": 4.0,
               "ttft_s": peer["ttft_s"], "tpot_s": peer["tpot_s"], "e2e_s": peer["e2e_s"],
               "metrics": {"thread_cpu_s": {"model_loop": 1.0, "http": 0.25}, "peak_rss_bytes": 2**20}}
-    out = compare({"server": server, "peers": {"hf": peer}})
+    out = compare({"server": server, "peers": {"hf": peer, "ctranslate2": {"error": "RuntimeError: failed"}}})
+    assert list(out["sides"]) == ["server", "hf"]  # a failed peer has no row
     assert out["sides"]["server"]["cpu_s"] == 1.25 and out["sides"]["server"]["tokens_per_cpu_s"] == 8.0
     assert out["sides"]["hf"]["tokens_per_cpu_s"] == 10 / 3.0 and out["sides"]["hf"]["peak_rss_bytes"] == 3 * 2**20
     assert out["server_over"]["hf"] == {"throughput": 4.0 / 2.0, "per_cpu_s": 8.0 / (10 / 3.0)}
