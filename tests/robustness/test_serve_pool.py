@@ -45,6 +45,11 @@ def test_bad_pool_flags_are_one_line(models, capfd) -> None:
     line = cli_error(capfd, "loadgen", "--url", "http://127.0.0.1:1/v1", "--served-model-name", "m",
                      "--system-words", "-1")
     assert "--system-words must be ≥ 0, got -1" in line
+    assert "--prefill-chunk must be at least 1, got 0" in cli_error(capfd, *serve, "--prefill-chunk", "0")
+    loadgen = ("loadgen", "--url", "http://127.0.0.1:1/v1", "--served-model-name", "m")
+    assert "--profile needs --static-model" in cli_error(capfd, *loadgen, "--profile")
+    line = cli_error(capfd, *loadgen, "--static-model", models.decomposed, "--profile", "0")
+    assert "--profile CHUNK must be at least 1 prompt token, got 0" in line
 
 
 def _start(models, tmp_path: Path, *args: str) -> tuple[Job, str]:
