@@ -14,9 +14,12 @@ also gives the throughput per CPU second of each side and their ratio.
 The static side loads the model once in fresh ranks and runs the same prompts, in arrival order,
 as batches of ``concurrency`` with the project's generation loop: every batch generates up to the
 longest ``max_tokens`` of its rows (that is what a static batch does); each request counts its own
-tokens. The measured batch times are then laid on the same arrivals (``static_report``): a batch
-starts once its last request has arrived and the previous batch is done, and a request's TTFT and
-end-to-end latency count from its own arrival, as the server's do.
+tokens, and the time of each of them is noted. The measured batch times are then laid on the same
+arrivals (``static_report``): a batch starts once its last request has arrived and the previous
+batch is done; a request's TTFT (its batch's wait, then its own first token) and end-to-end latency
+(until the batch returns) count from its own arrival, as the server's do, and its TPOT is the time
+from its first to its last token over its further tokens. ``loadgen --peers`` lays other
+implementations' static batches on the arrivals the same way (``load_peers``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from deinfer_megatron.arch.model import ModelArch
+from deinfer_megatron.bench.measure import peak_rss_bytes
 from deinfer_megatron.bench.serve_metrics import MetricsPoller
 from deinfer_megatron.bench.serve_profile import StepProfileSpec, profile_served_steps, summarize
 from deinfer_megatron.generation.context import GenerationContext
@@ -230,18 +234,34 @@ def _static_on_rank(ctx: RankContext) -> dict[str, Any] | None:
         prompts = [list(p) for p, _ in batch]
         longest = max(m for _, m in batch)
         context = GenerationContext(len(prompts), max(map(len, prompts)) + longest, kv_cache=ctx.spec.kv_cache)
+        marks: list[list[float]] = [[] for _ in batch]  # every row's tokens' times
+
+        def note(row: int, _token: int) -> None:
+            marks[row].append(time.perf_counter())
+
         start, cpu = time.perf_counter(), time.thread_time()
-        outputs, timing = generate_tokens(ctx.stage, prompts, max_new_tokens=longest, params=SamplingParams(),
-                                          context=context)
+        outputs, _ = generate_tokens(ctx.stage, prompts, max_new_tokens=longest, params=SamplingParams(),
+                                     context=context, on_token=note)
         wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
-        rows += [{"ttft": timing.prefill_s, "e2e": wall, "tokens": min(len(o.token_ids), m), "batch_s": wall,
-                  "batch_cpu_s": cpu} for o, (_, m) in zip(outputs, batch)]
+        for o, (_, m), times in zip(outputs, batch, marks):
+            tokens = min(len(o.token_ids), m)
+            rows.append({"ttft": times[0] - start, "last": times[tokens - 1] - start, "e2e": wall, "tokens": tokens,
+                         "batch_s": wall, "batch_cpu_s": cpu})
     profile = None
     if ctx.spec.profile is not None:
         mine = profile_served_steps(ctx.stage, ctx.spec.profile, ctx.spec.kv_cache)
         every = [pickle.loads(b) for b in comm.gather_bytes(pickle.dumps(mine), ctx.stage.device)]
         profile = summarize(every[: ctx.stage.groups.tp_size])  # the first stage's TP ranks
-    return {"rows": rows, "profile": profile} if ctx.reports else None
+    return {"rows": rows, "profile": profile, "peak_rss_bytes": peak_rss_bytes()} if ctx.reports else None
+
+
+def encode_requests(model: Path, requests: list[LoadRequest]) -> tuple[list[tuple[tuple[int, ...], int]], Any]:
+    """Every request as (prompt ids, max tokens), by ``model``'s tokenizer as the server encodes a
+    prompt; and the tokenizer."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    return [(tuple(tokenizer(r.prompt, add_special_tokens=True)["input_ids"]), r.max_tokens) for r in requests], tokenizer
 
 
 def run_static_batches(model: Path, requests: list[LoadRequest], concurrency: int, *, tp: int = 1, pp: int = 1,
@@ -250,10 +270,7 @@ def run_static_batches(model: Path, requests: list[LoadRequest], concurrency: in
     """The same prompts as static batches of ``concurrency`` in arrival order (one rank start);
     with ``profile_chunk``, also the profile of a served decode step of ``concurrency`` rows at
     the requests' mean prompt length, and of it with ``profile_chunk`` prompt tokens more."""
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-    encoded = [(tuple(tokenizer(r.prompt, add_special_tokens=True)["input_ids"]), r.max_tokens) for r in requests]
+    encoded, _ = encode_requests(model, requests)
     batches = tuple(tuple(encoded[i : i + concurrency]) for i in range(0, len(encoded), concurrency))
     profile = None
     if profile_chunk is not None:
@@ -262,6 +279,7 @@ def run_static_batches(model: Path, requests: list[LoadRequest], concurrency: in
     spec = StaticBatches(Path(model), Parallelism(tp, pp, layout), CacheKind.parse(kv_cache), batches, profile)
     result = run_job(spec, _static_on_rank)
     report = static_report(requests, result["rows"], concurrency)
+    report["peak_rss_bytes"] = result["peak_rss_bytes"]
     if result["profile"] is not None:
         report["served_step_profile"] = result["profile"]
     return report
@@ -269,16 +287,24 @@ def run_static_batches(model: Path, requests: list[LoadRequest], concurrency: in
 
 def static_report(requests: list[LoadRequest], rows: list[dict[str, float]], concurrency: int) -> dict[str, Any]:
     """Latency of static batching under the same arrivals: a batch starts when its last request
-    has arrived and the previous batch is done; each request waits for its batch's start."""
-    ttft, e2e, end, cpu = [], [], 0.0, 0.0
+    has arrived and the previous batch is done; each request waits for its batch's start.
+
+    A row gives its first token's time after its batch's start (``ttft``), its batch's time
+    (``batch_s``) and CPU seconds, its tokens, and where measured its last token's time (``last``).
+    TTFT is the wait for the batch's start plus the row's first token; TPOT the time from the
+    row's first to its last token over its further tokens; end-to-end ends when the batch
+    returns (a static batch returns all its rows at once)."""
+    ttft, tpot, e2e, end, cpu = [], [], [], 0.0, 0.0
     for i in range(0, len(rows), concurrency):
         batch = list(zip(requests[i : i + concurrency], rows[i : i + concurrency]))
         start = max(end, max(r.arrival_s for r, _ in batch))
         end = start + batch[0][1]["batch_s"]
         cpu += batch[0][1].get("batch_cpu_s", 0.0)
         ttft += [start - r.arrival_s + row["ttft"] for r, row in batch]
+        tpot += [(row["last"] - row["ttft"]) / (row["tokens"] - 1) for _, row in batch
+                 if "last" in row and row["tokens"] > 1]
         e2e += [end - r.arrival_s for r, _ in batch]
     tokens = sum(r["tokens"] for r in rows)
     return {"completed": len(rows), "wall_s": end, "completion_tokens": tokens,
             "throughput_tokens_per_s": tokens / end if end else 0.0, "cpu_s": cpu,
-            "ttft_s": percentiles(ttft), "e2e_s": percentiles(e2e)}
+            "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot), "e2e_s": percentiles(e2e)}

@@ -4,7 +4,7 @@ during (every ``POLL_S``) and after the run.
 From the difference of the counters: the steps it ran, the tokens they fed (decoding and
 prompt), where rank 0's model loop spent them (``serving.stats``: idle, schedule, exchange,
 forward, complete), the CPU seconds of its model-loop and HTTP threads, and its prefix-cache
-hit rate; from the polls, the most sequences it ran at once and the largest share of its KV
+hit rate, and rank 0's peak resident memory; from the polls, the most sequences it ran at once and the largest share of its KV
 memory in use. A server that does not export a metric (an older one) leaves it out.
 """
 
@@ -88,6 +88,8 @@ class MetricsPoller:
             out["step_phase_s"] = {p: delta(f'deinfer_step_phase_seconds_total{{phase="{p}"}}') for p in PHASES}
             out["thread_cpu_s"] = {t: delta(f'deinfer_thread_cpu_seconds{{thread="{t}"}}')
                                    for t in ("model_loop", "http")}
+        if "deinfer_peak_rss_bytes" in after:
+            out["peak_rss_bytes"] = after["deinfer_peak_rss_bytes"]  # rank 0's process, loading included
         queries, hits = delta("deinfer_prefix_cache_queries_total"), delta("deinfer_prefix_cache_hits_total")
         if queries:
             out["prefix_cache_hit_ratio"] = (hits or 0.0) / queries

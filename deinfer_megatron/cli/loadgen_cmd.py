@@ -1,14 +1,20 @@
 """``deinfer-megatron loadgen``: replay a Poisson request set against ``serve``, and optionally
-the same requests as static ``generate`` batches, and report throughput and latency."""
+the same requests as static ``generate`` batches and on other implementations (``--peers``), and
+report throughput and latency side by side."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from deinfer_megatron.bench.load_compare import compare, text_table
+from deinfer_megatron.bench.load_peers import LoadPeer, parse_peers, peer_threads, run_load_peer
+from deinfer_megatron.bench.records import first_line
 from deinfer_megatron.bench.serve_load import LoadSpec, make_requests, run_server_load, run_static_batches
+from deinfer_megatron.checkpoints.folder import open_config
 from deinfer_megatron.cli.arguments import names, parsed_by
 from deinfer_megatron.cli.output import emit_json
 from deinfer_megatron.cli.serve_cmd import API_KEY_ENV
@@ -28,6 +34,9 @@ class LoadgenConfig:
     layout: Layout = Layout.DEINFER
     kv_cache: CacheKind = CacheKind.FULL
     profile_chunk: int | None = None
+    peers: tuple[LoadPeer, ...] = ()
+    peer_model: Path | None = None  # the decomposed folder the peers run (default: --static-model)
+    peer_threads: int = 1
     json: bool = False
 
 
@@ -62,6 +71,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", dest="profile_chunk", type=int, nargs="?", const=256, metavar="CHUNK",
                    help="with --static-model: also profile a served decode step of --concurrency rows, and the "
                         "same step with CHUNK (default 256) prompt tokens more, on the static batches' ranks")
+    p.add_argument("--peers", help="also run the requests as static batches of --concurrency on other implementations: "
+                                   "hf (transformers, the folder's factor pairs), ctranslate2 (the multiplied-out "
+                                   "model, float32), ctranslate2-bfloat16 (where this CPU has it); comma-separated")
+    p.add_argument("--peer-model", type=Path, help="the decomposed folder the peers run (default: --static-model)")
+    p.add_argument("--peer-threads", type=int, help="threads of each peer's process (default: $OMP_NUM_THREADS, "
+                                                    "else 1 — what serve gives each rank)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(make_config=config_from_args, run=main)
 
@@ -70,8 +85,19 @@ def config_from_args(args: argparse.Namespace) -> LoadgenConfig:
     spec = LoadSpec(requests=args.requests, rate=args.rate, concurrency=args.concurrency,
                     prompt_words=args.prompt_words, output_tokens=args.output_tokens, seed=args.seed,
                     system_words=args.system_words)
-    if args.url is None and args.static_model is None:
-        raise ValueError("give --url (a running server) and/or --static-model (static batches)")
+    peers = parse_peers(args.peers) if args.peers is not None else ()
+    peer_model = args.peer_model or args.static_model
+    if peers and peer_model is None:
+        raise ValueError("--peers needs the decomposed folder they run: give --peer-model DIR (or --static-model DIR)")
+    if args.peer_model is not None and not peers:
+        raise ValueError("--peer-model applies to --peers; name the peers, e.g. --peers hf,ctranslate2")
+    if peers:
+        open_config(peer_model)  # a missing or broken folder: its one-line error now, not in a peer's process
+    threads = peer_threads() if args.peer_threads is None else args.peer_threads
+    if threads < 1:
+        raise ValueError(f"--peer-threads must be at least 1, got {threads}")
+    if args.url is None and args.static_model is None and not peers:
+        raise ValueError("give --url (a running server), --static-model (static batches) and/or --peers")
     if args.url is not None and not args.model_name:
         raise ValueError("--url needs --served-model-name (the name in the server's /v1/models)")
     if args.profile_chunk is not None and args.static_model is None:
@@ -81,7 +107,8 @@ def config_from_args(args: argparse.Namespace) -> LoadgenConfig:
     return LoadgenConfig(url=args.url, model_name=args.model_name, spec=spec,
                          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                          static_model=args.static_model, tp=args.tp, pp=args.pp, layout=args.layout,
-                         kv_cache=args.kv_cache, profile_chunk=args.profile_chunk, json=args.json)
+                         kv_cache=args.kv_cache, profile_chunk=args.profile_chunk, peers=peers,
+                         peer_model=peer_model if peers else None, peer_threads=threads, json=args.json)
 
 
 def main(cfg: LoadgenConfig) -> int:
@@ -95,6 +122,15 @@ def main(cfg: LoadgenConfig) -> int:
         report["static"] = run_static_batches(cfg.static_model, requests, cfg.spec.concurrency, tp=cfg.tp,
                                               pp=cfg.pp, layout=cfg.layout, kv_cache=cfg.kv_cache,
                                               profile_chunk=cfg.profile_chunk)
+    failed = []
+    for peer in cfg.peers:
+        try:
+            report.setdefault("peers", {})[peer.value], _ = run_load_peer(peer, cfg.peer_model, requests,
+                                                                         cfg.spec.concurrency, cfg.peer_threads)
+        except Exception as err:  # noqa: BLE001 - a failed peer is recorded; the other sides' numbers stay
+            report.setdefault("peers", {})[peer.value] = {"error": first_line(err)}
+            failed.append(f"peer {peer.value} failed: {first_line(err)}")
+    report["comparison"] = compare(report)
     if "server" in report and "static" in report:
         server, static = report["server"], report["static"]
         report["throughput_ratio"] = server["throughput_tokens_per_s"] / max(1e-9, static["throughput_tokens_per_s"])
@@ -108,12 +144,7 @@ def main(cfg: LoadgenConfig) -> int:
     if cfg.json:
         emit_json(report, indent=2)
     else:
-        for side in ("server", "static"):
-            if side in report:
-                r = report[side]
-                print(f"{side}: {r['completed']} requests, {r['throughput_tokens_per_s']:.1f} tokens/s, "
-                      f"TTFT p50 {r['ttft_s']['p50']:.3f} s p99 {r['ttft_s']['p99']:.3f} s, "
-                      f"end-to-end p50 {r['e2e_s']['p50']:.3f} s")
+        print("\n".join(text_table(report["comparison"])))
         observed = report.get("server", {}).get("metrics", {})
         if "steps" in observed:
             phases = observed["step_phase_s"]
@@ -121,14 +152,12 @@ def main(cfg: LoadgenConfig) -> int:
             print(f"server side: {observed['steps']:.0f} steps, at most {observed['peak_running_sequences']:.0f} "
                   f"sequences at once, prefix-cache hits {100 * observed.get('prefix_cache_hit_ratio', 0.0):.0f}%; "
                   "model loop: " + ", ".join(f"{p} {100 * (v or 0.0) / busy:.0f}%" for p, v in phases.items()))
-        if "throughput_ratio" in report:
-            print(f"server / static throughput: {report['throughput_ratio']:.2f}×"
-                  + (f" ({report['throughput_ratio_per_cpu_s']:.2f}× per CPU second)"
-                     if "throughput_ratio_per_cpu_s" in report else ""))
         for step, ranks in report.get("static", {}).get("served_step_profile", {}).items():
             for r in ranks:
                 print(f"served {step} step, rank {r['tp_rank']}: {1e3 * r['step_s']:.1f} ms = GEMM "
                       f"{1e3 * r['gemm_s']:.1f} + attention {1e3 * r['attention_s']:.1f} + waiting for peers "
                       f"{1e3 * r['collective_wait_s']:.1f} + collectives {1e3 * r['collective_s']:.1f} + other "
                       f"{1e3 * r['other_s']:.1f}")
-    return 0
+    for line in failed:
+        print(line, file=sys.stderr)
+    return 1 if failed else 0

@@ -3,6 +3,8 @@ in tests, never share counters)."""
 
 from __future__ import annotations
 
+import resource
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from deinfer_megatron.serving.blocks import BlockManager
@@ -38,6 +40,8 @@ class ServerMetrics:
                                     ["phase"], registry=r)
         self.thread_cpu = Gauge("deinfer_thread_cpu_seconds", "CPU seconds of rank 0's threads", ["thread"],
                                 registry=r)
+        self.peak_rss = Gauge("deinfer_peak_rss_bytes", "rank 0's process: its largest resident memory so far",
+                              registry=r)
         self._counted: dict[str, float] = {}
         kv = Gauge("deinfer_kv_cache_bytes", "KV-cache bytes this server's largest rank holds", registry=r)
         kv.set(kv_bytes)
@@ -85,4 +89,5 @@ class ServerMetrics:
             self.thread_cpu.labels(thread=thread).set(seconds)
 
     def text(self) -> bytes:
+        self.peak_rss.set(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
         return generate_latest(self.registry)

@@ -55,6 +55,7 @@ def test_static_batches_on_a_tiny_model(tmp_path) -> None:
     assert report["completion_tokens"] == sum(r.max_tokens for r in requests)  # each row counts its own
     assert report["ttft_s"]["p50"] <= report["e2e_s"]["p50"]
     assert 0 < report["cpu_s"] <= report["wall_s"] * 1.05  # one thread: never more CPU than wall time
+    assert 0 < report["tpot_s"]["p50"] and report["peak_rss_bytes"] > 0
     profile = report["served_step_profile"]  # a served step on the same rank: its parts add up to it
     for step in ("decode", "mixed"):
         (rank,) = profile[step]
@@ -84,7 +85,7 @@ def test_the_servers_metrics_before_during_and_after_a_run() -> None:
     during = {**before, "deinfer_running_sequences": 7.0}
     after = {**before, "deinfer_steps_total": 30.0, 'deinfer_step_tokens_total{kind="decode"}': 45.0,
              'deinfer_step_phase_seconds_total{phase="forward"}': 4.0, "deinfer_prefix_cache_queries_total": 300.0,
-             "deinfer_prefix_cache_hits_total": 120.0}
+             "deinfer_prefix_cache_hits_total": 120.0, "deinfer_peak_rss_bytes": 5e8}
     for values in (before, during, after):  # what the polls read
         poller.first = poller.first or values
         poller.last = values
@@ -94,3 +95,4 @@ def test_the_servers_metrics_before_during_and_after_a_run() -> None:
     assert report["steps"] == 20 and report["decode_tokens"] == 40 and report["peak_running_sequences"] == 7
     assert report["step_phase_s"]["forward"] == 2.5 and report["step_phase_s"]["idle"] is None
     assert report["prefix_cache_hit_ratio"] == pytest.approx(100 / 200)  # of this run's queries only
+    assert report["peak_rss_bytes"] == 5e8  # the last reading: rank 0's high-water mark

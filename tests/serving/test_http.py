@@ -48,3 +48,13 @@ def test_errors_are_openai_json() -> None:
         assert text in error["message"] and set(error) == {"message", "type", "param", "code"}
     metrics = client.get("/metrics").text
     assert 'deinfer_requests_total{status="400"} 9.0' in metrics
+
+
+def test_metrics_give_rank_0s_peak_resident_memory() -> None:
+    from pathlib import Path
+
+    text = app(healthy=True).get("/metrics").text
+    (reported,) = [float(line.split()[1]) for line in text.splitlines() if line.startswith("deinfer_peak_rss_bytes ")]
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    vm_hwm = int(status["VmHWM"].split()[0]) * 1024  # the kernel's own high-water mark, read independently
+    assert abs(reported - vm_hwm) <= 0.05 * vm_hwm
