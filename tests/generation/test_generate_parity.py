@@ -5,10 +5,10 @@ absorption on and off, Megatron's static engine and the project's loop, DeepSpee
 TP=2, and a batch of ragged prompts equal to the prompts one at a time.
 
 bfloat16 (``--dtype bfloat16``), on the same ranks, against transformers run in bfloat16 on the
-dense LLaMA: every layout's logits within ``BF16_TOLERANCE`` times transformers' own bfloat16
-error (its bfloat16 logits against its float32 ones), greedy tokens equal on prompts whose
-every step is decided by more than twice that tolerance, caches in bfloat16 at the planner's
-bytes, and eval-ppl's perplexity within the bound the logits' tolerance gives it.
+dense LLaMA (``tests.helpers.bf16``): every layout's logits within 3 times transformers' own
+bfloat16 error (its bfloat16 logits against its float32 ones), greedy tokens equal on prompts
+whose every step is decided by more than twice that tolerance, caches in bfloat16 at the
+planner's bytes, and eval-ppl's perplexity within the bound the logits' tolerance gives it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import transformers
 
 from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
+from tests.helpers.bf16 import TOLERANCE, bf16_error, decided
 from tests.helpers.distributed import run_ranks
 from tests.helpers.generation import Bf16Case, generation_worker
 from tests.helpers.text import real_text_file
@@ -31,14 +32,7 @@ from tests.helpers.tiny_models import full_ranks, save_tiny_folder
 MAX_NEW = 8
 PROMPTS = [[1, 504, 3458, 282, 4915, 314], [1, 9519, 12, 2834], [1, 378, 1345, 30, 1096, 3215, 281, 17]]
 LAYOUTS = ["deinfer", "naive", "dense"]
-# bfloat16 keeps 8 significant bits, and a TP rank's partial sums, the factor pairs' two products
-# and Megatron's fused kernels round in other places and orders than transformers' dense model:
-# the logits may differ from transformers' bfloat16 ones by a few times the amount bfloat16
-# itself moves them (transformers' bfloat16 against its float32, ``err``). A wrong weight, a
-# missed bias or a float32 cache read as bfloat16 moves them by the logits' own scale.
-BF16_TOLERANCE = 3.0  # × err
 BF16_NEW = 6
-BF16_POOL = 300  # random prompts searched for ones whose greedy steps bfloat16 cannot flip
 
 
 @pytest.fixture(scope="module")
@@ -72,23 +66,8 @@ def bf16(folders, tmp_path_factory) -> dict:
     dense = Path(models["llama"]).parent / "llama-dense"
     hf = {dt: transformers.AutoModelForCausalLM.from_pretrained(dense, dtype=dt).eval()
           for dt in (torch.float32, torch.bfloat16)}
-    gen = torch.Generator().manual_seed(0)
-    pool = torch.randint(3, hf[torch.float32].config.vocab_size, (BF16_POOL, 6), generator=gen)
-    with torch.no_grad():
-        err = (hf[torch.bfloat16](pool[:16]).logits.float() - hf[torch.float32](pool[:16]).logits).abs().max().item()
-    tol = BF16_TOLERANCE * err
-    chosen: list[torch.Tensor] = []
-    for chunk in pool.split(60):
-        with torch.no_grad():
-            g = hf[torch.bfloat16].generate(chunk, max_new_tokens=BF16_NEW, do_sample=False, eos_token_id=None,
-                                            pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-        top = torch.stack(g.scores, 1).float().topk(2, -1).values  # [prompts, steps, 2]
-        margin = (top[..., 0] - top[..., 1]).amin(1)
-        chosen += [g.sequences[i] for i in range(len(chunk)) if margin[i] > 2 * tol]
-        if len(chosen) >= 3:
-            break
-    assert len(chosen) >= 2, f"only {len(chosen)} of {BF16_POOL} prompts have greedy margins above {2 * tol:.3g}"
-    sequences = torch.stack(chosen[:3])
+    tol = TOLERANCE * bf16_error(hf[torch.float32], hf[torch.bfloat16])
+    sequences = decided(hf[torch.bfloat16], tol, new=BF16_NEW)
     text = real_text_file(tmp_path_factory.mktemp("bf16-text"), 4000, "evaluation")
     window, max_tokens = 32, 128
     tok = transformers.AutoTokenizer.from_pretrained(dense)  # the windows as eval-ppl documents them
