@@ -17,6 +17,8 @@ from deinfer_megatron.launch.env import detect
 from deinfer_megatron.launch.external import LAUNCHERS, run_under_launcher
 from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.runtime.options import DType, Engine, Parallelism
+from deinfer_megatron.serving.blocks import DEFAULT_BLOCK_SIZE
+from deinfer_megatron.serving.scheduler import DEFAULT_PREFILL_CHUNK
 from deinfer_megatron.serving.server import ServeJob, run_serve, validate
 from deinfer_megatron.specs.layout import Layout
 
@@ -58,11 +60,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", type=parsed_by(DType.parse), choices=names(DType), default=DType.FLOAT32)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch", type=int, default=16, help="KV slots: sequences running at once")
-    p.add_argument("--kv-budget-gb", type=float, help="KV-cache memory per rank; fewer slots if it holds fewer")
-    p.add_argument("--max-seq-len", type=int, help="tokens per slot (default: the model's context, at most 2048)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot; more get 429")
-    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens fed per step")
+    p.add_argument("--max-batch", type=int, default=16, help="the most sequences running at once")
+    p.add_argument("--kv-budget-gb", type=float,
+                   help="KV-cache memory per rank: sizes the block pool (default: --max-batch sequences of "
+                        "--max-seq-len tokens)")
+    p.add_argument("--max-seq-len", type=int,
+                   help="the most tokens of one sequence, prompt + max_tokens (default: the model's context, "
+                        "at most 2048)")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
+    p.add_argument("--no-prefix-cache", dest="prefix_caching", action="store_false",
+                   help="do not share the KV blocks of equal prompt prefixes between requests")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait to be admitted; more get 429")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                   help="the most prompt tokens fed in one step, over all arriving requests")
     p.add_argument("--served-model-name", help="the model name clients send (default: the folder's name)")
     p.add_argument("--api-key", help=f"require Authorization: Bearer KEY (or set {API_KEY_ENV})")
     p.add_argument("--launcher", choices=("auto", *LAUNCHERS), default="auto",
@@ -78,7 +88,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         model=args.model, parallel=Parallelism(tp=args.tp, pp=args.pp, layout=args.layout),
         cache=CacheOptions(kind=args.kv_cache, absorb_values=args.absorb, budget_gb=args.kv_budget_gb),
         engine=args.engine, dtype=args.dtype, host=args.host, port=args.port, max_batch=args.max_batch,
-        max_queue=args.max_queue, max_seq_len=args.max_seq_len, served_model_name=args.served_model_name,
+        max_queue=args.max_queue, max_seq_len=args.max_seq_len, block_size=args.block_size,
+        prefix_caching=args.prefix_caching, served_model_name=args.served_model_name,
         api_key=api_key, prefill_chunk=args.prefill_chunk, verify=args.verify)
     return ServeConfig(job=job, launcher=args.launcher,
                        rerun_argv=tuple(without_launcher(list(getattr(args, "argv", ())))))

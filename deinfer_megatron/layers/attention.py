@@ -13,8 +13,8 @@ its ``self_attention`` slot and calls it with Megatron's attention signature.
 Under an inference context the layer caches either K/V of its own heads or — with the latent
 cache — the pre-RoPE latents ``c_k``, ``c_v``, from which it rebuilds its heads' K (RoPE by
 each token's position) and, for single-token decode steps, absorbs ``U_v`` after attention.
-Under a ``SlotContext`` (the server's continuous batching) each row has its own slot and
-positions: ``slot_cache.slot_attention``.
+Under a ``PagedContext`` (the server's continuous batching) every token has its own sequence,
+position and KV block: ``paged_cache.paged_attention``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from deinfer_megatron.arch.ranks import AttentionRanks
 from deinfer_megatron.layers.costs import Cost
 from deinfer_megatron.layers.kv_cache import CacheKind, FullKVCache, LatentKVCache, cache_mode
 from deinfer_megatron.layers.sharded_state import children_sharded_state_dict
-from deinfer_megatron.layers.slot_cache import SlotContext, slot_attention
+from deinfer_megatron.layers.paged_cache import PagedContext, paged_attention
 from deinfer_megatron.parallel.topology import Span, TPView
 
 
@@ -240,8 +240,8 @@ class FactoredSelfAttention(MegatronModule):
         if key_value_states is not None or packed_seq_params is not None:
             raise NotImplementedError("cross-attention and packed sequences are not supported")
         context = inference_context if inference_context is not None else inference_params
-        if isinstance(context, SlotContext):  # continuous batching: each row its own slot and positions
-            return slot_attention(self, hidden_states, context, rotary_pos_emb)
+        if isinstance(context, PagedContext):  # continuous batching: each token its own sequence and position
+            return paged_attention(self, hidden_states, context, rotary_pos_emb)
         sq = hidden_states.shape[0]
         start = context.sequence_len_offset if context is not None else 0
         end = start + sq

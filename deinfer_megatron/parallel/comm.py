@@ -410,7 +410,11 @@ def barrier(tp: TPView) -> None:
 
 def broadcast_bytes(payload: bytes | None, src: int, device: torch.device) -> bytes:
     """Every rank of the job gets global rank ``src``'s ``payload`` (a step's description from
-    the server's scheduler): its length, then its bytes. Control data, not recorded."""
+    the server's scheduler): its length, then its bytes. Control data, not recorded. A job of
+    one rank has nobody to send to: the payload is returned as is."""
+    if dist.get_world_size() == 1:
+        assert payload is not None, "the only rank is the source"
+        return payload
     size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.long, device=device)
     dist.broadcast(size, src=src)
     if dist.get_rank() == src:

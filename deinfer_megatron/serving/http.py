@@ -3,8 +3,8 @@
 Handlers run on uvicorn's event loop in a thread of rank 0; the model loop runs in rank 0's main
 thread. A request's events cross over through ``loop.call_soon_threadsafe`` into an
 ``asyncio.Queue`` of its own. A client that goes away — its stream is cancelled, or a
-non-streamed request sees the disconnect — cancels its request, whose slots are freed at the
-next step.
+non-streamed request sees the disconnect — cancels its request, whose KV blocks are freed at
+the next step.
 
 Every endpoint but ``/health`` needs ``Authorization: Bearer <key>`` when the server has a key.
 Errors are OpenAI's JSON (``{"error": {"message", "type", "param", "code"}}``) with a 4xx/5xx
@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deinfer_megatron.serving.metrics import ServerMetrics
 from deinfer_megatron.serving.protocol import ApiError, Completion, choice, envelope, new_id, parse_completion, usage
 from deinfer_megatron.serving.scheduler import Draining, Event, QueueFull, Request, Scheduler
+from deinfer_megatron.serving.stats import StepStats
 
 
 @dataclass
@@ -39,6 +40,7 @@ class ServerState:
     metrics: ServerMetrics
     default_max_tokens: int
     healthy: Callable[[], bool]
+    stats: StepStats | None = None  # the model loop's step totals (None: no loop, as in tests)
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
@@ -79,7 +81,9 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         s = state.scheduler
-        state.metrics.observe_batch(s.queue_length, s.running, s.slots_in_use, s.slots)
+        state.metrics.observe_batch(s.queue_length, s.running, s.pool)
+        if state.stats is not None:
+            state.metrics.observe_steps(state.stats)
         return Response(state.metrics.text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -118,7 +122,7 @@ def _admit(state: ServerState, completion: Completion, prompt: list[int],
         raise ApiError(429, str(err), kind="rate_limit_error", code="queue_full") from None
     except Draining as err:
         raise ApiError(503, str(err), kind="server_error") from None
-    except ValueError as err:  # longer than a slot, or more choices than slots
+    except ValueError as err:  # longer than the context or the pool, or more choices than may run
         raise ApiError(400, str(err)) from None
     return request
 
@@ -193,6 +197,6 @@ async def _stream(state: ServerState, request: Request, events: asyncio.Queue, r
                             usage_counts=usage(len(request.prompt), request.completion_tokens)))
         yield _sse("[DONE]")
     finally:
-        if open_choices:  # the client went away (or the ranks failed): free its slots
+        if open_choices:  # the client went away (or the ranks failed): free its blocks
             state.scheduler.cancel(request)
 

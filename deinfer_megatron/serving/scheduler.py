@@ -1,12 +1,17 @@
 """Continuous batching on rank 0: which sequences run in the next step, and what came out.
 
-A request (one HTTP call) holds ``n`` sequences. It waits in a bounded queue until a KV slot is
-free for each of its sequences (its worst case, prompt + ``max_tokens``, always fits a slot: a
-request that could not is refused when it arrives); a full queue refuses more (HTTP 429).
-Every step decodes one token for each running sequence whose prompt is in the cache and feeds
-one chunk of at most ``prefill_chunk`` prompt tokens of one other sequence, so a long prompt
-never stalls the running ones for more than a chunk. A sequence leaves the batch as soon as it
-finishes, and its slot goes to the next waiting request at the next step; a request whose
+A request (one HTTP call) holds ``n`` sequences. It waits in a bounded queue until its
+sequences may run: fewer than ``max_running`` sequences run, and the KV pool can promise each
+its worst case, prompt + ``max_tokens`` (``blocks.BlockManager``: what the prefix cache holds
+is shared, the rest reserved). A request that could never fit is refused when it arrives; a
+full queue refuses more (HTTP 429). Requests are admitted in arrival order.
+
+Every step is one forward (``step``): one token for each running sequence whose prompt is in
+the cache, and prompt chunks of the sequences still prefilling, oldest first, up to
+``prefill_chunk`` prompt tokens in all — several arriving prompts share a step, and a long one
+is cut so that it never stalls the running ones for more than a chunk. A sequence leaves the
+batch as soon as it finishes; its blocks go back to the pool (its full ones stay findable by
+later prompts) and the next waiting request may be admitted at the next step. A request whose
 client went away (``cancel``) is dropped at the next step too.
 
 Text is decoded here, on rank 0 only: each sequence's ids are decoded whole after every token,
@@ -24,7 +29,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from deinfer_megatron.generation.sampling import SamplingParams
-from deinfer_megatron.serving.step import DecodeRow, PrefillChunk, StepPlan
+from deinfer_megatron.serving.blocks import BlockManager, SeqBlocks, block_keys, blocks_for
+from deinfer_megatron.serving.step import Row, StepPlan
+
+DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step (docs/SERVING.md, "The prompt budget of a step")
 
 
 class QueueFull(RuntimeError):
@@ -62,6 +70,7 @@ class Request:
     finished_at: float | None = None
     completion_tokens: int = 0
     cancelled: bool = False
+    keys: list[bytes] | None = None  # the prompt's block keys, made once while it waits
 
     @property
     def n(self) -> int:
@@ -73,36 +82,40 @@ class Sequence:
     id: int
     request: Request
     index: int
-    slot: int = -1
-    prefilled: int = 0  # prompt tokens already in the cache
+    blocks: SeqBlocks
+    computed: int = 0  # positions whose K/V are in the cache
     generated: list[int] = field(default_factory=list)
     text: str = ""  # the decoded text, cut at a stop string
     sent: int = 0  # characters of ``text`` already reported
     finish_reason: str | None = None
 
     @property
-    def position(self) -> int:
-        """Where the next token fed to the model sits."""
-        return len(self.request.prompt) + len(self.generated) - 1
+    def prefilling(self) -> bool:
+        return self.computed < len(self.request.prompt)
+
+    def tokens(self) -> list[int]:
+        """Prompt and generated ids: the token at each position."""
+        return self.request.prompt + self.generated
 
 
 class Scheduler:
     """Admission, the running batch, and turning sampled tokens into client events.
 
     Args:
-        slots: KV slots (the most sequences running at once).
-        tokens_per_slot: tokens one slot holds.
-        max_queue: requests that may wait for slots.
+        pool: the KV pool's blocks (``BlockManager``; the scheduler is its only user).
+        max_running: the most sequences running at once (``--max-batch``).
+        max_seq_len: the most tokens of one sequence, prompt + ``max_tokens``.
+        max_queue: requests that may wait.
         decode: ids → text (the model's tokenizer, special tokens skipped).
         eos_ids: tokens that end a sequence.
-        prefill_chunk: the most prompt tokens fed in one step.
+        prefill_chunk: the most prompt tokens fed in one step, over all prefilling sequences.
     """
 
-    def __init__(self, *, slots: int, tokens_per_slot: int, max_queue: int, decode: Callable[[list[int]], str],
-                 eos_ids: frozenset[int], prefill_chunk: int = 256) -> None:
-        self.slots, self.tokens_per_slot, self.max_queue = slots, tokens_per_slot, max_queue
+    def __init__(self, *, pool: BlockManager, max_running: int, max_seq_len: int, max_queue: int,
+                 decode: Callable[[list[int]], str], eos_ids: frozenset[int],
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+        self.pool, self.max_running, self.max_seq_len, self.max_queue = pool, max_running, max_seq_len, max_queue
         self.decode, self.eos_ids, self.prefill_chunk = decode, eos_ids, prefill_chunk
-        self._free = list(range(slots - 1, -1, -1))
         self._waiting: deque[Request] = deque()
         self._running: list[Sequence] = []
         self._ids = itertools.count()
@@ -113,14 +126,20 @@ class Scheduler:
 
     # ---------------------------------------------------------------- the HTTP thread's side
     def submit(self, request: Request) -> None:
-        """Queue ``request``; ``QueueFull`` / ``Draining`` when it cannot be taken."""
+        """Queue ``request``; ``QueueFull`` / ``Draining`` when it cannot be taken, ValueError
+        when it could never run."""
         needed = len(request.prompt) + request.max_tokens
-        if needed > self.tokens_per_slot:
+        if needed > self.max_seq_len:
             raise ValueError(f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) = "
-                             f"{needed} exceeds the context of {self.tokens_per_slot} tokens; shorten the "
+                             f"{needed} exceeds the context of {self.max_seq_len} tokens; shorten the "
                              "prompt or lower max_tokens")
-        if request.n > self.slots:
-            raise ValueError(f"n = {request.n} exceeds the {self.slots} sequences the server runs at once")
+        if request.n > self.max_running:
+            raise ValueError(f"n = {request.n} exceeds the {self.max_running} sequences the server runs at once")
+        pool = self.pool
+        if request.n * blocks_for(needed, pool.block_size) > pool.blocks:
+            raise ValueError(f"n = {request.n} sequences of {needed} tokens (prompt + max_tokens) need more than "
+                             f"the KV pool's {pool.blocks} blocks of {pool.block_size} tokens; lower max_tokens "
+                             "or n (or start the server with a larger --kv-budget-gb)")
         with self._lock:
             if self.draining:
                 raise Draining("the server is shutting down")
@@ -163,10 +182,6 @@ class Scheduler:
     def running(self) -> int:
         return len(self._running)
 
-    @property
-    def slots_in_use(self) -> int:
-        return self.slots - len(self._free)
-
     def idle(self) -> bool:
         """Nothing to run, and (once draining) nothing will come."""
         return not self._running and not self._waiting
@@ -178,7 +193,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str | None) -> None:
         self._running.remove(seq)
-        self._free.append(seq.slot)
+        self.pool.release(seq.blocks)
         self._release.append(seq.id)
         request = seq.request
         if reason is not None:
@@ -190,37 +205,65 @@ class Scheduler:
             request.finished_at = time.perf_counter()
             self.finished.append(request)
 
+    def _admit(self, request: Request, plan: StepPlan) -> bool:
+        """Start ``request``'s sequences if the batch and the pool have room for all of them."""
+        if len(self._running) + request.n > self.max_running:
+            return False
+        if request.keys is None:
+            prompt = request.prompt
+            request.keys = block_keys(prompt, self.pool.block_size, (len(prompt) - 1) // self.pool.block_size)
+        worst = len(request.prompt) + request.max_tokens
+        claimed: list[SeqBlocks] = []
+        for _ in range(request.n):
+            blocks = self.pool.admit(request.keys, len(request.prompt), worst)
+            if blocks is None:
+                for taken in claimed:
+                    self.pool.release(taken)
+                return False
+            claimed.append(blocks)
+        for index, (params, blocks) in enumerate(zip(request.sampling, claimed)):
+            seq = Sequence(next(self._ids), request, index, blocks, computed=blocks.cached)
+            self._running.append(seq)
+            plan.start[seq.id] = params
+        return True
+
     def next_plan(self) -> StepPlan:
-        """The next step: drop cancelled sequences, admit waiting requests, decode every running
-        sequence that has its prompt in the cache and feed one prompt chunk."""
+        """The next step: drop cancelled sequences, admit waiting requests (in arrival order),
+        then one token of every decoding sequence and prompt chunks up to ``prefill_chunk``."""
         plan = StepPlan()
         with self._lock:
             for seq in [s for s in self._running if s.request.cancelled]:
                 self._finish(seq, None)
-            while self._waiting and (self._waiting[0].cancelled or self._waiting[0].n <= len(self._free)):
-                request = self._waiting.popleft()
-                if request.cancelled:
-                    continue
-                for index, params in enumerate(request.sampling):
-                    seq = Sequence(next(self._ids), request, index, slot=self._free.pop())
-                    self._running.append(seq)
-                    plan.start[seq.id] = params
+            while self._waiting:
+                request = self._waiting[0]
+                if not request.cancelled and not self._admit(request, plan):
+                    break
+                self._waiting.popleft()
         plan.release, self._release = self._release, []
+        budget = self.prefill_chunk
+        prefills: list[Row] = []
         for seq in self._running:
-            if seq.prefilled == len(seq.request.prompt):
-                plan.decode.append(DecodeRow(seq.id, seq.slot, seq.position, seq.generated[-1]))
-            elif plan.prefill is None:
+            if not seq.prefilling:
+                self.pool.grow(seq.blocks, seq.computed + 1)
+                plan.rows.append(Row(seq.id, seq.computed, (seq.generated[-1],), tuple(seq.blocks.table), True))
+            elif budget > 0:
                 prompt = seq.request.prompt
-                end = min(len(prompt), seq.prefilled + self.prefill_chunk)
-                plan.prefill = PrefillChunk(seq.id, seq.slot, seq.prefilled, tuple(prompt[seq.prefilled : end]),
-                                            last=end == len(prompt))
+                end = min(len(prompt), seq.computed + budget)
+                budget -= end - seq.computed
+                self.pool.grow(seq.blocks, end)
+                prefills.append(Row(seq.id, seq.computed, tuple(prompt[seq.computed : end]),
+                                    tuple(seq.blocks.table), end == len(prompt)))
+        plan.rows += prefills  # single-token rows first: they attend as one batch
         return plan
 
     def complete(self, plan: StepPlan, tokens: list[int]) -> None:
         """Apply what ``plan`` produced: ``tokens`` for ``plan.sampled``, in order."""
         by_id = {s.id: s for s in self._running}
-        if plan.prefill is not None and plan.prefill.seq in by_id:
-            by_id[plan.prefill.seq].prefilled += len(plan.prefill.tokens)
+        for row in plan.rows:
+            seq = by_id.get(row.seq)
+            if seq is not None:
+                seq.computed = row.start + len(row.tokens)
+                self.pool.register(seq.blocks, seq.tokens(), seq.computed)
         now = time.perf_counter()
         for seq_id, token in zip(plan.sampled, tokens):
             seq = by_id[seq_id]

@@ -1,12 +1,14 @@
 """One model step of continuous batching, run identically on every rank.
 
-Rank 0's scheduler describes a step as a ``StepPlan`` — which sequences decode one token, which
-one prefills a chunk of its prompt, which start (with their sampling parameters) and which are
-released — and sends it to every rank (``exchange_plan``). Each rank then runs the same
-forwards over its TP shard / PP stage (``StepRunner.run``): the decode rows as one batch of
-single tokens, each row at its own position in its own KV slot, and the prefill chunk as a batch
-of one. The last stage samples each row with that sequence's own generator (seeded when the
-sequence started, so every rank draws alike) and the tokens are broadcast to all stages.
+Rank 0's scheduler describes a step as a ``StepPlan`` — its rows (each a sequence's tokens
+from a start position, with the sequence's block table, and whether its last token samples),
+which sequences start (with their sampling parameters) and which are released — and sends it to
+every rank (``exchange_plan``). Each rank then runs the whole step as one forward over its TP
+shard / PP stage (``StepRunner.run``): the rows' tokens packed into one row of the model, each
+token at its own position in its own sequence's blocks (``layers.paged_cache``), so the
+decoding sequences and the prompt chunks of arriving ones read the weights once. The last stage
+samples each sampling row with that sequence's own generator (seeded when the sequence started,
+so every rank draws alike) and the tokens are broadcast to all stages.
 """
 
 from __future__ import annotations
@@ -18,32 +20,23 @@ import torch
 
 from deinfer_megatron.generation.sampling import SamplingParams, sample
 from deinfer_megatron.layers.attention import FactoredSelfAttention
-from deinfer_megatron.layers.slot_cache import SlotContext
+from deinfer_megatron.layers.paged_cache import PagedContext, PagedRow
 from deinfer_megatron.models.build import Stage
 from deinfer_megatron.models.pipeline import broadcast_from_last_stage, stage_forward
 from deinfer_megatron.parallel import comm
 
 
 @dataclass(frozen=True)
-class DecodeRow:
-    """Sequence ``seq`` feeds ``token`` at ``position`` of its ``slot``."""
+class Row:
+    """Sequence ``seq`` feeds ``tokens`` from position ``start``, in the blocks ``table``;
+    ``sample``: its last token's logits give the sequence's next token (a decode step, or the
+    chunk that ends its prompt)."""
 
     seq: int
-    slot: int
-    position: int
-    token: int
-
-
-@dataclass(frozen=True)
-class PrefillChunk:
-    """Sequence ``seq`` feeds prompt ``tokens`` from ``start`` in its ``slot``; ``last``: the
-    chunk ends the prompt, so its logits give the first generated token."""
-
-    seq: int
-    slot: int
     start: int
     tokens: tuple[int, ...]
-    last: bool
+    table: tuple[int, ...]
+    sample: bool
 
 
 @dataclass
@@ -51,8 +44,7 @@ class StepPlan:
     """What every rank does next. An empty plan is a heartbeat (the ranks wait in the
     broadcast, which has a timeout); ``stop`` ends the loop on every rank."""
 
-    decode: list[DecodeRow] = field(default_factory=list)
-    prefill: PrefillChunk | None = None
+    rows: list[Row] = field(default_factory=list)
     start: dict[int, SamplingParams] = field(default_factory=dict)  # sequences starting now
     release: list[int] = field(default_factory=list)  # sequences whose generators go
     stop: bool = False
@@ -60,10 +52,16 @@ class StepPlan:
     @property
     def sampled(self) -> list[int]:
         """The sequences this step draws a token for, in the order ``run`` returns them."""
-        rows = [r.seq for r in self.decode]
-        if self.prefill is not None and self.prefill.last:
-            rows.append(self.prefill.seq)
-        return rows
+        return [r.seq for r in self.rows if r.sample]
+
+    @property
+    def decoded(self) -> int:
+        """Rows of one token whose sequence samples (decode steps)."""
+        return sum(1 for r in self.rows if r.sample and len(r.tokens) == 1)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.rows) - self.decoded
 
 
 def exchange_plan(plan: StepPlan | None, device: torch.device) -> StepPlan:
@@ -73,9 +71,9 @@ def exchange_plan(plan: StepPlan | None, device: torch.device) -> StepPlan:
     return pickle.loads(comm.broadcast_bytes(payload, 0, device))
 
 
-def require_slot_attention(stage: Stage) -> None:
+def require_paged_attention(stage: Stage) -> None:
     """Continuous batching needs the project's decomposed attention in every layer: Megatron's
-    own attention keeps one position for the whole batch."""
+    own attention keeps one position for the whole batch and knows no KV blocks."""
     decoder = getattr(stage.model, "decoder", None)
     layers = getattr(decoder, "layers", [])
     dense = [i + stage.layer_offset for i, layer in enumerate(layers)
@@ -88,21 +86,14 @@ def require_slot_attention(stage: Stage) -> None:
 
 
 class StepRunner:
-    """Runs ``StepPlan``s on this rank's stage over a ``SlotContext``."""
+    """Runs ``StepPlan``s on this rank's stage over a ``PagedContext``."""
 
-    def __init__(self, stage: Stage, context: SlotContext) -> None:
-        require_slot_attention(stage)
+    def __init__(self, stage: Stage, context: PagedContext) -> None:
+        require_paged_attention(stage)
         self.stage = stage
         self.context = context
         self.params: dict[int, SamplingParams] = {}
         self.generators: dict[int, torch.Generator] = {}
-
-    def _forward(self, slots: list[int], starts: list[int], tokens: torch.Tensor) -> torch.Tensor | None:
-        device = self.stage.device
-        self.context.begin_step(slots, starts, tokens.shape[1], device)
-        positions = torch.tensor(starts, dtype=torch.long).unsqueeze(1) + torch.arange(tokens.shape[1])
-        logits = stage_forward(self.stage, tokens, positions, inference_context=self.context)
-        return None if logits is None else logits[:, -1]
 
     def _sample(self, seqs: list[int], logits: torch.Tensor) -> torch.Tensor:
         """Each row with its own parameters and generator; greedy rows in one argmax."""
@@ -120,20 +111,16 @@ class StepRunner:
         for seq, params in plan.start.items():
             self.params[seq] = params
             self.generators[seq] = torch.Generator(device=self.stage.device).manual_seed(params.seed)
-        chosen: list[torch.Tensor] = []
-        if plan.decode:
-            tokens = torch.tensor([[r.token] for r in plan.decode], dtype=torch.long)
-            logits = self._forward([r.slot for r in plan.decode], [r.position for r in plan.decode], tokens)
-            if logits is not None:
-                chosen.append(self._sample([r.seq for r in plan.decode], logits))
-        chunk = plan.prefill
-        if chunk is not None:
-            logits = self._forward([chunk.slot], [chunk.start], torch.tensor([chunk.tokens], dtype=torch.long))
-            if logits is not None and chunk.last:
-                chosen.append(self._sample([chunk.seq], logits))
-        count = len(plan.sampled)
-        if count == 0:
+        if not plan.rows:
             return []
-        mine = torch.cat(chosen).to(self.stage.device) if chosen else None
-        like = torch.zeros(count, dtype=torch.long, device=self.stage.device)
+        device = self.stage.device
+        self.context.begin_step([PagedRow(r.start, len(r.tokens), r.table, r.sample) for r in plan.rows], device)
+        tokens = torch.tensor([t for r in plan.rows for t in r.tokens], dtype=torch.long).unsqueeze(0)
+        positions = self.context.positions.t()  # [1, T]
+        logits = stage_forward(self.stage, tokens, positions, inference_context=self.context)
+        seqs = plan.sampled
+        if not seqs:
+            return []
+        mine = None if logits is None else self._sample(seqs, logits[0])
+        like = torch.zeros(len(seqs), dtype=torch.long, device=device)
         return broadcast_from_last_stage(self.stage, mine, like).tolist()

@@ -15,6 +15,7 @@ from deinfer_megatron.bench.serve_load import (
     run_static_batches,
     static_report,
 )
+from deinfer_megatron.bench.serve_metrics import MetricsPoller, parse_metrics
 from tests.helpers.tiny_models import full_rank_folders
 
 
@@ -49,7 +50,47 @@ def test_static_batches_wait_for_their_last_arrival_and_the_previous_batch() -> 
 def test_static_batches_on_a_tiny_model(tmp_path) -> None:
     _, _, dec = full_rank_folders(tmp_path, "llama")
     requests = make_requests(LoadSpec(requests=5, rate=100, concurrency=2, prompt_words=(2, 6), output_tokens=(2, 5)))
-    report = run_static_batches(dec, requests, 2)
+    report = run_static_batches(dec, requests, 2, profile_chunk=4)
     assert report["completed"] == 5
     assert report["completion_tokens"] == sum(r.max_tokens for r in requests)  # each row counts its own
     assert report["ttft_s"]["p50"] <= report["e2e_s"]["p50"]
+    assert 0 < report["cpu_s"] <= report["wall_s"] * 1.05  # one thread: never more CPU than wall time
+    profile = report["served_step_profile"]  # a served step on the same rank: its parts add up to it
+    for step in ("decode", "mixed"):
+        (rank,) = profile[step]
+        parts = ("gemm_s", "attention_s", "collective_wait_s", "collective_s", "other_s")
+        assert rank["gemm_s"] > 0 and rank["attention_s"] >= rank["cache_s"] > 0 and rank["other_s"] >= 0
+        assert rank["collectives"] == 0 and sum(rank[p] for p in parts) == pytest.approx(rank["step_s"])
+
+
+def test_system_words_start_every_prompt_alike() -> None:
+    plain = make_requests(LoadSpec(requests=20, rate=5.0, prompt_words=(3, 9), seed=3))
+    shared = make_requests(LoadSpec(requests=20, rate=5.0, prompt_words=(3, 9), seed=3, system_words=6))
+    system = shared[0].prompt.split()[:6]
+    for a, b in zip(plain, shared):  # the same request set behind the same 6 words
+        assert b.prompt.split() == system + a.prompt.split() and b.max_tokens == a.max_tokens
+        assert b.arrival_s == a.arrival_s
+    with pytest.raises(ValueError, match="--system-words"):
+        LoadSpec(system_words=-1)
+
+
+def test_the_servers_metrics_before_during_and_after_a_run() -> None:
+    before = parse_metrics('# HELP x\ndeinfer_steps_total 10.0\ndeinfer_step_tokens_total{kind="decode"} 5.0\n'
+                           'deinfer_step_phase_seconds_total{phase="forward"} 1.5\ndeinfer_running_sequences 0.0\n'
+                           'deinfer_prefix_cache_queries_total 100.0\ndeinfer_prefix_cache_hits_total 20.0\n')
+    assert before['deinfer_step_tokens_total{kind="decode"}'] == 5.0 and "# HELP x" not in before
+    poller = MetricsPoller(None, "http://h:1/v1", {})
+    assert poller.url == "http://h:1/metrics" and poller.report() == {}
+    during = {**before, "deinfer_running_sequences": 7.0}
+    after = {**before, "deinfer_steps_total": 30.0, 'deinfer_step_tokens_total{kind="decode"}': 45.0,
+             'deinfer_step_phase_seconds_total{phase="forward"}': 4.0, "deinfer_prefix_cache_queries_total": 300.0,
+             "deinfer_prefix_cache_hits_total": 120.0}
+    for values in (before, during, after):  # what the polls read
+        poller.first = poller.first or values
+        poller.last = values
+        poller.peaks["deinfer_running_sequences"] = max(poller.peaks["deinfer_running_sequences"],
+                                                        values["deinfer_running_sequences"])
+    report = poller.report()
+    assert report["steps"] == 20 and report["decode_tokens"] == 40 and report["peak_running_sequences"] == 7
+    assert report["step_phase_s"]["forward"] == 2.5 and report["step_phase_s"]["idle"] is None
+    assert report["prefix_cache_hit_ratio"] == pytest.approx(100 / 200)  # of this run's queries only

@@ -9,8 +9,10 @@ import socket
 
 import pytest
 
-from deinfer_megatron.cli.main import run
+from deinfer_megatron.cli.main import build_parser, run
 from deinfer_megatron.launch.local import free_port
+from deinfer_megatron.serving.blocks import DEFAULT_BLOCK_SIZE
+from deinfer_megatron.serving.scheduler import DEFAULT_PREFILL_CHUNK
 from tests.helpers.tiny_models import full_rank_folders
 
 
@@ -44,6 +46,16 @@ def test_bad_serve_input_is_one_line(folders) -> None:
         "serve", "--model", str(dec), "--max-seq-len", "4096")
     assert "--port must be between" in one_line_error("serve", "--model", str(dec), "--port", "70000")
     assert "--kv-budget-gb must be" in one_line_error("serve", "--model", str(dec), "--kv-budget-gb", "-1")
+
+
+def test_the_pool_flags_reach_the_job() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--model", "m"])
+    job = args.make_config(args).job
+    assert (job.block_size, job.prefix_caching, job.prefill_chunk) == (DEFAULT_BLOCK_SIZE, True, DEFAULT_PREFILL_CHUNK)
+    args = parser.parse_args(["serve", "--model", "m", "--block-size", "8", "--no-prefix-cache", "--prefill-chunk", "32"])
+    job = args.make_config(args).job
+    assert (job.block_size, job.prefix_caching, job.prefill_chunk) == (8, False, 32)
 
 
 def test_the_port_is_held_before_the_ranks_join_and_a_busy_one_is_one_line(folders, monkeypatch) -> None:

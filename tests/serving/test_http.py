@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
+from deinfer_megatron.serving.blocks import BlockManager
 from deinfer_megatron.serving.http import ServerState, build_app
 from deinfer_megatron.serving.metrics import ServerMetrics
 from deinfer_megatron.serving.scheduler import Scheduler
 
 
 def app(healthy: bool) -> TestClient:
-    scheduler = Scheduler(slots=2, tokens_per_slot=32, max_queue=2, decode=str, eos_ids=frozenset())
+    scheduler = Scheduler(pool=BlockManager(16, 4), max_running=2, max_seq_len=32, max_queue=2, decode=str,
+                          eos_ids=frozenset())
     state = ServerState(scheduler=scheduler, encode=lambda c: [1, 2, 3], model_name="m", api_key=None,
                         metrics=ServerMetrics(kv_bytes=0), default_max_tokens=4, healthy=lambda: healthy)
     return TestClient(build_app(state))

@@ -1,7 +1,9 @@
-"""Continuous batching on the model: requests that join at different steps, share a few KV
-slots, feed their prompts in chunks beside running decodes, and each still produce what Hugging
-Face ``generate`` produces for it alone (greedy), for both KV caches, RoPE (LLaMA) and learned
-positions (OPT). A seeded sampled request draws what ``generate``'s own loop draws for it alone.
+"""Continuous batching on the model, through the paged KV cache: requests that join at
+different steps, share few blocks, prefill together and beside running decodes, share prompt
+prefixes, and wait for blocks in a full pool — each still produces what Hugging Face ``generate``
+produces for it alone (greedy) and what the project's unpaged loop produces, for both KV caches,
+RoPE (LLaMA) and learned positions (OPT), at TP=1, TP=3 and PP=2. A seeded sampled request draws
+what ``generate``'s own loop draws for it alone.
 """
 
 from __future__ import annotations
@@ -12,42 +14,46 @@ from typing import Any
 import torch
 
 from tests.helpers.distributed import run_ranks
+from tests.helpers.serving import drive_steps
 from tests.helpers.tiny_models import full_rank_folders
 
 PROMPTS = [[1, 504, 3458], [1, 9519, 12, 2834, 77, 901, 33, 4, 18], [1, 378, 1345, 30, 1096],
            [1, 22, 9, 3215, 281, 17, 5], [1, 45, 600, 2], [1, 7, 7, 810, 3000, 12, 99, 41]]
 MAX_NEW = [6, 3, 8, 4, 7, 5]
-SLOTS, CHUNK = 3, 4
+SYSTEM = [1, 3, 14, 15, 92, 65, 35, 89, 79]  # a shared "system prompt": 2 full blocks of 4, and one token
+SHARED = [SYSTEM + [7, 8], SYSTEM + [7, 8], SYSTEM[:8], SYSTEM + [44, 3, 2, 9, 8], SYSTEM + [7], SYSTEM[:5]]
+SHARED_NEW = [5, 4, 6, 3, 5, 4]
+HEADS9 = dict(hidden_size=72, num_attention_heads=9, num_key_value_heads=3, intermediate_size=96,
+              num_hidden_layers=2, max_position_embeddings=256)
+
+# name: (prompts, new tokens, arrival steps, drive_steps options)
+CASES = {
+    "joining": (PROMPTS, MAX_NEW, [0, 2, 4, 6, 8, 10], {}),  # 3 running at most, chunks of 4 beside decodes
+    "shared": (SHARED, SHARED_NEW, [0, 6, 6, 7, 12, 13], {}),  # later prompts find the first one's blocks
+    "full-pool": (SHARED + PROMPTS, SHARED_NEW + MAX_NEW, [0] * 12,  # room for 2 at a time: the rest wait,
+                  dict(blocks=10, chunk=16)),  # and cached blocks are evicted for them
+}
+JOINING = {"joining": CASES["joining"]}  # the case the rarer variants run
 
 
-def ids_text(ids: list[int]) -> str:
-    return "".join(f"{i}," for i in ids)
+def greedy_alone(hf: Any, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
+    out = []
+    for p, m in zip(prompts, max_new):
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([p]), max_new_tokens=m, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out.append(gen[0, len(p):].tolist())
+    return out
 
 
-def drive(stage: Any, kind: str, absorb: bool, sampled: Any = None) -> tuple[list[list[int]], bool]:
-    """Request i arrives at step 2·i; every request's generated ids, and whether a step both
-    decoded and prefilled."""
-    from deinfer_megatron.generation.sampling import SamplingParams
-    from deinfer_megatron.layers.slot_cache import SlotContext
-    from deinfer_megatron.serving.scheduler import Request, Scheduler
-    from deinfer_megatron.serving.step import StepRunner
-
-    runner = StepRunner(stage, SlotContext(SLOTS, 32, kv_cache=kind, absorb_values=absorb))
-    scheduler = Scheduler(slots=SLOTS, tokens_per_slot=32, max_queue=16, decode=ids_text,
-                          eos_ids=frozenset(), prefill_chunk=CHUNK)
-    texts = [""] * len(PROMPTS)
-    requests = [Request(prompt=p, max_tokens=m, sampling=[sampled or SamplingParams()],
-                        sink=lambda e, i=i: texts.__setitem__(i, texts[i] + e.text))
-                for i, (p, m) in enumerate(zip(PROMPTS, MAX_NEW))]
-    step, mixed = 0, False
-    while step < 2 * len(requests) or not scheduler.idle():
-        if step % 2 == 0 and step // 2 < len(requests):
-            scheduler.submit(requests[step // 2])
-        plan = scheduler.next_plan()
-        mixed |= bool(plan.decode) and plan.prefill is not None
-        scheduler.complete(plan, runner.run(plan))
-        step += 1
-    return [[int(t) for t in text.split(",")[:-1]] for text in texts], mixed
+def check_case(name: str, driven: Any, expected: list[list[int]]) -> None:
+    assert driven.tokens == expected, name
+    if name == "joining":
+        assert driven.mixed, "some step decoded running requests while it prefilled a new one"
+    if name == "shared":
+        assert driven.hit_tokens >= 4 * 4, "the system prompt's blocks were found again"
+        assert driven.batched_prefill, "two arriving prompts were prefilled in one step"
+    if name == "full-pool":
+        assert driven.waited and driven.evicted, "requests waited for blocks, and cached blocks were reused"
 
 
 def step_worker(folders: dict[str, str]) -> dict[str, Any]:
@@ -63,10 +69,18 @@ def step_worker(folders: dict[str, str]) -> dict[str, Any]:
     try:
         for family, folder in folders.items():
             stage = load_folder(Path(folder), Layout.DEINFER, groups)
-            for kind, absorb in (("full", True), ("latent", True), ("latent", False)):
-                out[f"{family}/{kind}/{absorb}"] = drive(stage, kind, absorb)
+            for kind, absorb, cases in (("full", True, CASES), ("latent", True, CASES), ("latent", False, JOINING)):
+                for case in cases:
+                    prompts, new, arrive, options = CASES[case]
+                    out[f"{family}/{kind}/{absorb}/{case}"] = drive_steps(stage, prompts, new, arrive, kind=kind,
+                                                                          absorb=absorb, **options)
+            out[f"{family}/unpaged"] = [
+                generate_tokens(stage, [p], max_new_tokens=m, params=SamplingParams(),
+                                context=GenerationContext(1, len(p) + m))[0][0].token_ids
+                for prompts, new, _, _ in CASES.values() for p, m in zip(prompts, new)]
             sampled = SamplingParams(greedy=False, temperature=0.9, top_k=50, seed=11)
-            out[f"{family}/sampled"] = drive(stage, "full", True, sampled)[0]
+            out[f"{family}/sampled"] = drive_steps(stage, PROMPTS, MAX_NEW, CASES["joining"][2],
+                                                   sampled=sampled).tokens
             out[f"{family}/sampled-alone"] = [
                 generate_tokens(stage, [p], max_new_tokens=m, params=sampled,
                                 context=GenerationContext(1, len(p) + m))[0][0].token_ids
@@ -81,17 +95,72 @@ def test_requests_joining_at_any_step_equal_generation_alone(tmp_path) -> None:
     for family in ("llama", "opt"):
         hf, _, dec = full_rank_folders(tmp_path / family, family)
         folders[family] = str(dec)
-        expected[family] = []
-        for p, m in zip(PROMPTS, MAX_NEW):
-            with torch.no_grad():
-                gen = hf.generate(torch.tensor([p]), max_new_tokens=m, do_sample=False, eos_token_id=None,
-                                  pad_token_id=0)
-            expected[family].append(gen[0, len(p):].tolist())
+        expected[family] = {case: greedy_alone(hf, prompts, new) for case, (prompts, new, _, _) in CASES.items()}
     results = run_ranks(1, step_worker, folders)[0]
     for family in folders:
-        for kind in ("full/True", "latent/True", "latent/False"):
-            tokens, mixed = results[f"{family}/{kind}"]
-            assert tokens == expected[family], f"{family}/{kind}"
-            assert mixed, "some step decoded running requests while it prefilled a new one"
+        for kind, cases in (("full/True", CASES), ("latent/True", CASES), ("latent/False", JOINING)):
+            for case in cases:
+                check_case(f"{family}/{kind}/{case}", results[f"{family}/{kind}/{case}"], expected[family][case])
+        flat = [t for case in CASES for t in expected[family][case]]
+        assert results[f"{family}/unpaged"] == flat, f"{family}: the unpaged loop alone"
         assert results[f"{family}/sampled"] == results[f"{family}/sampled-alone"], family
-        assert results[f"{family}/sampled"] != expected[family], "sampling did sample"
+        assert results[f"{family}/sampled"] != expected[family]["joining"], "sampling did sample"
+
+
+def tp3_worker(folder: str) -> dict[str, Any] | None:
+    from deinfer_megatron.models.build import load_folder
+    from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+    from deinfer_megatron.specs.layout import Layout
+
+    groups = init_parallel(3, 1)
+    lead = groups.global_rank == 0
+    out: dict[str, Any] = {}
+    try:
+        for layout, kinds, cases in ((Layout.DEINFER, ("full", "latent"), CASES), (Layout.NAIVE, ("full",), JOINING)):
+            stage = load_folder(Path(folder), layout, groups)
+            for kind in kinds:
+                for case in cases:
+                    prompts, new, arrive, options = CASES[case]
+                    out[f"{layout.value}/{kind}/{case}"] = drive_steps(stage, prompts, new, arrive, kind=kind,
+                                                                       **options)
+    finally:
+        shutdown()
+    return out if lead else None
+
+
+def test_tp3_paged_steps_equal_generation_alone(tmp_path) -> None:
+    """9 heads / 3 KV heads split over 3 ranks: one head group per rank (DeInfer), or every head on
+    every rank (naive); the plan goes from rank 0 to the others each step, as in the server."""
+    hf, _, dec = full_rank_folders(tmp_path, **HEADS9)
+    expected = {case: greedy_alone(hf, prompts, new) for case, (prompts, new, _, _) in CASES.items()}
+    results = run_ranks(3, tp3_worker, str(dec))[0]
+    assert len(results) == 7
+    for key, driven in results.items():
+        check_case(key, driven, expected[key.rsplit("/", 1)[1]])
+
+
+def pp2_worker(folder: str) -> dict[str, Any] | None:
+    from deinfer_megatron.models.build import load_folder
+    from deinfer_megatron.parallel.runtime import init_parallel, shutdown
+    from deinfer_megatron.specs.layout import Layout
+
+    groups = init_parallel(1, 2)
+    lead = groups.global_rank == 0
+    out: dict[str, Any] = {}
+    try:
+        stage = load_folder(Path(folder), Layout.DEINFER, groups)
+        for case in ("shared", "full-pool"):
+            prompts, new, arrive, options = CASES[case]
+            out[case] = drive_steps(stage, prompts, new, arrive, **options)
+    finally:
+        shutdown()
+    return out if lead else None
+
+
+def test_pp2_paged_steps_equal_generation_alone(tmp_path) -> None:
+    """Two pipeline stages: the packed step's hidden states go from the first stage to the
+    last, which samples; the tokens come back to rank 0's scheduler."""
+    hf, _, dec = full_rank_folders(tmp_path, **HEADS9)
+    results = run_ranks(2, pp2_worker, str(dec))[0]
+    for case, driven in results.items():
+        check_case(case, driven, greedy_alone(hf, CASES[case][0], CASES[case][1]))
