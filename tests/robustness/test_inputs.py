@@ -166,6 +166,13 @@ def test_unknown_dtype_is_refused_by_the_parser(models, tmp_path, capfd, command
             "eval-ppl": ["eval-ppl", "--model", models.dense, "--text", text],
             "bench": ["bench", "--model", models.dense],
             "serve": ["serve", "--model", models.decomposed]}[command]
+    from deinfer_megatron.cli.main import build_parser
+    from deinfer_megatron.runtime.options import DType
+
+    args = build_parser().parse_args([str(a) for a in argv] + ["--dtype", "bfloat16"])
+    cfg = args.make_config(args)
+    job = cfg.grid if command == "bench" else cfg.job
+    assert job.dtype is DType.BFLOAT16, "the accepted value reaches the job"
     for bad in ("float16", "bf16", ""):
         with pytest.raises(SystemExit, match="2"):
             run([str(a) for a in argv] + ["--dtype", bad])
