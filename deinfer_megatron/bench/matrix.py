@@ -31,7 +31,7 @@ from deinfer_megatron.parallel.topology import check_parallel_sizes
 from deinfer_megatron.planning.plan import make_plan
 from deinfer_megatron.planning.request import LayoutRequest, choices
 from deinfer_megatron.runtime.job import Prepared, prepare, run_prepared
-from deinfer_megatron.runtime.options import Parallelism
+from deinfer_megatron.runtime.options import DType, Parallelism
 
 LAYOUTS: tuple[LayoutRequest, ...] = tuple(LayoutRequest.parse(name) for name in choices())  # auto first
 KV_CACHES: tuple[CacheKind, ...] = tuple(CacheKind)
@@ -63,10 +63,12 @@ class BenchGrid:
     # local ones: set by a runner whose ranks do not share memory (the two-namespace bench)
     collectives: dict[str, list[float]] | None = None
     transport: Collectives = Collectives.AUTO  # what carries the cells' TP collectives (parallel.collectives)
+    dtype: DType = DType.FLOAT32  # every cell's and peer's weights, factors and KV caches
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layouts", tuple(LayoutRequest.parse(l) for l in self.layouts))
         object.__setattr__(self, "transport", Collectives.parse(self.transport))
+        object.__setattr__(self, "dtype", DType.parse(self.dtype))
 
 
 @dataclass(frozen=True)
@@ -87,8 +89,9 @@ class BenchConfig:
     outputs: BenchOutputs = field(default_factory=BenchOutputs)
 
     def to_json(self) -> dict[str, Any]:
-        """The document's ``args``: every option, by its name in earlier documents (``peers``
-        only when asked for, so that a run without them has the earlier documents' keys)."""
+        """The document's ``args``: every option, by its name in earlier documents (``peers``,
+        and ``dtype`` other than float32, only when asked for, so that a run without them has
+        the earlier documents' keys)."""
         g, o = self.grid, self.outputs
         path = lambda p: None if p is None else str(p)  # noqa: E731
         args = {"model": path(g.model), "synthetic": g.synthetic, "ratio": g.ratio,
@@ -100,7 +103,8 @@ class BenchConfig:
                 # newer options appear only when asked for: earlier documents keep their keys
                 **({"profile": True} if g.profile else {}), **({"predict": True} if g.predict else {}),
                 **({"max_prefill_tokens": g.max_prefill_tokens}
-                   if g.max_prefill_tokens != DEFAULT_MAX_PREFILL_TOKENS else {})}
+                   if g.max_prefill_tokens != DEFAULT_MAX_PREFILL_TOKENS else {}),
+                **({"dtype": g.dtype.value} if g.dtype is not DType.FLOAT32 else {})}
         return {**args, "peers": [p.value for p in g.peers]} if g.peers else args
 
 
@@ -162,7 +166,7 @@ def cell_job(cell: Cell, source: ModelSource, grid: BenchGrid) -> CellJob:
     return CellJob(source.folder, Parallelism(cell.tp, 1, cell.layout, grid.transport), cell.kv_cache,
                    cell.batch, cell.prompt_len, grid.gen_len, grid.repeats,
                    random_prompts(source.arch.vocab_size, cell.batch, cell.prompt_len, grid.seed),
-                   profile=grid.profile, max_prefill_tokens=grid.max_prefill_tokens)
+                   profile=grid.profile, max_prefill_tokens=grid.max_prefill_tokens, dtype=grid.dtype)
 
 
 def prepare_cell(cell: Cell, source: ModelSource, grid: BenchGrid) -> Prepared:
@@ -179,9 +183,10 @@ def prepare_cell(cell: Cell, source: ModelSource, grid: BenchGrid) -> Prepared:
 
 
 def plan_totals(prepared: Prepared) -> PlanTotals:
-    """The planner's per-token totals for a prepared cell's plan."""
+    """The planner's per-token totals for a prepared cell's plan (KV bytes in the cell's dtype)."""
     spec = prepared.spec
-    plan = make_plan(prepared.arch, prepared.rank_config, prepared.plan, tp=spec.tp, batch=spec.batch)
+    plan = make_plan(prepared.arch, prepared.rank_config, prepared.plan, tp=spec.tp, batch=spec.batch,
+                     dtype_bytes=spec.dtype.itemsize)
     t = plan.totals
     return PlanTotals(t["collectives_per_token"], t["elements_per_token"], t["params_per_rank"],
                       t["kv_bytes_per_token"][spec.kv_cache.value],

@@ -52,7 +52,7 @@ class CellJob:
     prompts: tuple[tuple[int, ...], ...]  # batch × prompt_len random ids, the same on every rank
     profile: bool = False  # one more run, its first decode step profiled (bench.profile)
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS  # rows per prefill forward (generation.prefill)
-    dtype = DType.FLOAT32
+    dtype: DType = DType.FLOAT32  # weights, factors and KV caches (``bench --dtype``)
     engine = Engine.MEGATRON
     verify = False  # the bench verified the folder once (bench.sources)
 
@@ -65,7 +65,7 @@ class CellJob:
 
     def workload(self) -> Workload:
         return Workload(tp=self.tp, batch=self.batch, context=self.prompt_len + self.gen_len,
-                        latent_cache=self.kv_cache is CacheKind.LATENT)
+                        dtype=self.dtype.value, latent_cache=self.kv_cache is CacheKind.LATENT)
 
     def footprint(self, arch: ModelArch) -> Footprint:
         return Footprint(kv_tokens=self.batch * (self.prompt_len + self.gen_len), kv_cache=self.kv_cache,

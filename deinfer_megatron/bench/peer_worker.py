@@ -11,6 +11,9 @@ warm-up. Peak RSS is read after loading and, after a reset, over generation (``m
 - ``hf``: one process, ``threads`` torch threads on the cores the row's ranks use.
 - ``deepspeed``: ``tp`` ranks of one thread, ``deepspeed.init_inference`` with AutoTP sharding the
   multiplied-out dense model (its shm all-reduce disabled first: ``patches.deepspeed_cpu``).
+
+Both load the model in the job's ``dtype`` (cast once as each tensor is read: ``hf_model``), and
+DeepSpeed is initialised in it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from deinfer_megatron import patches
 from deinfer_megatron.bench.measure import peak_rss_bytes, reset_peak_rss
 from deinfer_megatron.bench.records import PeerMeasurement, Sample
 from deinfer_megatron.models.hf_factored import hf_model
+from deinfer_megatron.runtime.options import DType
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class PeerJob:
     gen_len: int
     repeats: int
     prompts: tuple[tuple[int, ...], ...]  # the cells' prompts (``matrix.random_prompts``)
+    dtype: DType = DType.FLOAT32  # the cells' precision (``bench --dtype``)
 
 
 def _cache_keyword(model: nn.Module) -> str:
@@ -114,7 +119,7 @@ def hf_worker(job: PeerJob) -> PeerMeasurement:
     _pin(job, 0)
 
     def load() -> tuple[Any, nn.Module]:
-        model = hf_model(job.folder, verify=False)  # the parent verified it once
+        model = hf_model(job.folder, verify=False, dtype=job.dtype.torch)  # the parent verified it once
         return model, model
 
     return _measure(job, 0, load)
@@ -131,9 +136,9 @@ def deepspeed_worker(job: PeerJob) -> PeerMeasurement:
 
     def load() -> tuple[Any, nn.Module]:
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
-        model = hf_model(job.folder, multiply_out=True, verify=False)
+        model = hf_model(job.folder, multiply_out=True, verify=False, dtype=job.dtype.torch)
         with contextlib.redirect_stdout(sys.stderr):  # AutoTP prints its policy; stdout is the bench's table
-            engine = deepspeed.init_inference(model, dtype=torch.float32, replace_with_kernel_inject=False,
+            engine = deepspeed.init_inference(model, dtype=job.dtype.torch, replace_with_kernel_inject=False,
                                               tensor_parallel={"tp_size": job.tp})
         return engine, engine.module
 

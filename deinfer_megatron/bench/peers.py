@@ -6,8 +6,11 @@ cells' prompts, lengths, repeats, warm-up and definitions (``peer_worker``):
 
 - ``hf``: Hugging Face transformers on the decomposed folder, factor pairs as ``nn.Linear``s
   (``models.hf_factored``), one process with TP threads (one per core the TP ranks hold);
-- ``deepspeed``: DeepSpeed AutoTP (``deepspeed.init_inference``, ``tp_size`` TP, float32) on the
+- ``deepspeed``: DeepSpeed AutoTP (``deepspeed.init_inference``, ``tp_size`` TP) on the
   multiplied-out dense weights, TP ranks of one thread, as the cells are started.
+
+Both run in the cells' precision (``bench --dtype``: the model cast once at load, and
+``init_inference(dtype=...)``), so that a ratio compares the same arithmetic.
 
 A peer that cannot apply is recorded as skipped with the reason; one that fails gets its
 one-line error and the rest go on, as cells do. The report divides every layout's decode
@@ -56,7 +59,7 @@ def _job(peer: Peer, tp: int, batch: int, prompt_len: int, source: ModelSource, 
     folder = source.dense_dir if peer is Peer.DEEPSPEED else (source.decomposed_dir or source.dense_dir)
     cpus = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
     return PeerJob(peer.value, folder, tp, threads, cpus, batch, prompt_len, grid.gen_len, grid.repeats,
-                   random_prompts(source.arch.vocab_size, batch, prompt_len, grid.seed))
+                   random_prompts(source.arch.vocab_size, batch, prompt_len, grid.seed), grid.dtype)
 
 
 def run_peer(peer: Peer, tp: int, batch: int, prompt_len: int, source: ModelSource,

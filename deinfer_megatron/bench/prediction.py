@@ -51,15 +51,16 @@ def predicted_parts(arch: Any, rank_config: Any, work: Any, table: Any, plan: An
 
 
 def predict(rec: CellRecord, source: Any, table: Any = None,
-            collectives: dict[str, list[float]] | None = None) -> Prediction | None:
+            collectives: dict[str, list[float]] | None = None, dtype: str = "float32") -> Prediction | None:
     """The prediction for a measured, summarised cell; None where its layout cannot be priced.
     ``collectives``: the rates of the link the cell ran over, in place of the table's
-    (``BenchGrid.collectives``)."""
+    (``BenchGrid.collectives``); ``dtype``: the cells' (``bench --dtype``), whose GEMM rates and
+    bytes per element are priced."""
     from dataclasses import replace
 
     assert rec.summary is not None, "predict a summarised cell"
     cell = rec.cell
-    work = Workload(tp=cell.tp, batch=cell.batch, context=cell.prompt_len + rec.gen_len,
+    work = Workload(tp=cell.tp, batch=cell.batch, context=cell.prompt_len + rec.gen_len, dtype=dtype,
                     latent_cache=cell.kv_cache is CacheKind.LATENT)
     choice = auto_plan(source.arch, source.rank_config, work, table, collectives)
     if not choice.seconds:  # the fallback of a machine without a cost table

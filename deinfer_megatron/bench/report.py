@@ -206,8 +206,9 @@ def roofline_lines(records: list[CellRecord] | tuple[CellRecord, ...]) -> list[s
 def markdown(doc: BenchDocument) -> str:
     """The Markdown report (``--markdown``)."""
     m, host, args = doc.model, doc.host, doc.args
+    dtype = args.get("dtype", "float32")  # written only when not float32 (earlier documents lack it)
     lines = [f"# deinfer-megatron bench: {m['name']}", "",
-             f"{m['layers']} layers, hidden {m['hidden']}, {m['heads']}/{m['kv_heads']} heads; "
+             f"{m['layers']} layers, hidden {m['hidden']}, {m['heads']}/{m['kv_heads']} heads, {dtype}; "
              f"{args['gen_len']} new tokens after one warm-up run, median of {args['repeats']} repeats. "
              f"Host: {host['cpus']} CPUs, load {host['load_avg_start']} at start, "
              f"{host['load_avg_end']} at end; torch {host['torch']}, {host['threads_per_rank']} thread(s) per rank.",
@@ -224,7 +225,7 @@ def markdown(doc: BenchDocument) -> str:
     if doc.peer_ratios:
         lines += ["", "## Layouts against the peers (layout decode tokens/s ÷ peer decode tokens/s)", "",
                   "Peers: hf = Hugging Face transformers on the decomposed folder, factor pairs as nn.Linear, "
-                  "1 process × TP threads; deepspeed = DeepSpeed AutoTP (init_inference, tp_size TP, float32) "
+                  f"1 process × TP threads; deepspeed = DeepSpeed AutoTP (init_inference, tp_size TP, {dtype}) "
                   "on the multiplied-out weights, TP processes × 1 thread. Both: transformers' DynamicCache.", "",
                   "| layout | kv | tp | batch | ctx | peer | layout tok/s | peer tok/s | layout ÷ peer |",
                   "|---|---|---|---|---|---|---|---|---|"]
@@ -239,7 +240,7 @@ def markdown(doc: BenchDocument) -> str:
 
         table = roofline.transport_table(machine)
         if table:
-            lines += ["", f"Collective latency per element count (float32, 2 ranks, µs per call, best of 3 rounds): "
+            lines += ["", f"Collective latency per element count ({dtype}, 2 ranks, µs per call, best of 3 rounds): "
                       f"the installed transport ({machine['comm_transport']}) against gloo.", "", table.rstrip("\n")]
 
     lines += prediction.markdown_lines(doc.cells) + profile.markdown_lines(doc.cells)

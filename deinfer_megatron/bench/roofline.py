@@ -2,8 +2,9 @@
 
 Three measurements, all on two spawned ranks so that the collectives are gloo's real ones:
 - copy bandwidth: one large float32 ``copy_`` (single thread), counted as bytes read + written;
-- GEMM rate: ``F.linear`` at decode shapes (batch × hidden by hidden × out), single thread;
-- collective latency: all-reduce and all-gather of 1 .. 1M elements (4× steps), 2 ranks, through
+- GEMM rate: ``F.linear`` at decode shapes (batch × hidden by hidden × out), single thread, in
+  the bench's dtype (``RooflineSizes.dtype``: bfloat16 products run other kernels);
+- collective latency: all-reduce and all-gather of 1 .. 1M elements (4× steps) of that dtype, 2 ranks, through
   the same named operations the layers call (``parallel.comm``), copies and reshapes included —
   once through the transport the ranks install (shared memory between local ranks), which bounds
   the step, and once with the group routed back to gloo (``gloo_latency_s``; None when gloo is
@@ -46,11 +47,12 @@ class RooflineSizes:
     gemm_shapes: tuple[tuple[int, int, int], ...] = ((8, 2048, 2048), (8, 2048, 5632))
     comm_sizes: tuple[int, ...] = COMM_SIZES
     iters: int = 10
+    dtype: str = "float32"  # of the products and the collectives: the cells' (``bench --dtype``)
 
 
-def sizes_for(arch: Any, batches: tuple[int, ...]) -> RooflineSizes:
+def sizes_for(arch: Any, batches: tuple[int, ...], dtype: str = "float32") -> RooflineSizes:
     h, i = arch.hidden_size, arch.ffn_hidden_size
-    return RooflineSizes(gemm_shapes=tuple(s for b in batches for s in ((b, h, h), (b, h, i))))
+    return RooflineSizes(gemm_shapes=tuple(s for b in batches for s in ((b, h, h), (b, h, i))), dtype=dtype)
 
 
 def _best_of(fn: Any, iters: int) -> float:
@@ -69,18 +71,18 @@ def copy_gbps(nbytes: int, iters: int) -> float:
     return 2 * src.nbytes / _best_of(lambda: dst.copy_(src), iters) / 1e9
 
 
-def gemm_gflops(m: int, k: int, n: int, iters: int) -> float:
-    x, w = torch.randn(m, k), torch.randn(n, k)
+def gemm_gflops(m: int, k: int, n: int, iters: int, dtype: torch.dtype = torch.float32) -> float:
+    x, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
     return 2 * m * k * n / _best_of(lambda: torch.nn.functional.linear(x, w), iters) / 1e9
 
 
-def _collective_s(kind: str, elements: int, tp: Any, iters: int) -> float:
+def _collective_s(kind: str, elements: int, tp: Any, iters: int, dtype: torch.dtype = torch.float32) -> float:
     """Seconds per collective through the project's own named operations (``parallel.comm``)."""
     if kind == "all_reduce":
-        x = torch.ones(1, elements)
+        x = torch.ones(1, elements, dtype=dtype)
         op = lambda: comm.all_reduce_sum(x, tp, site="roofline", layer=0)  # noqa: E731
     else:  # the gathered result has ``elements`` elements, as the ledger counts it
-        chunk = torch.ones(1, max(1, -(-elements // tp.size)))
+        chunk = torch.ones(1, max(1, -(-elements // tp.size)), dtype=dtype)
         op = lambda: comm.all_gather_last_dim(chunk, tp, site="roofline", layer=0)  # noqa: E731
     for _ in range(2):
         op()
@@ -95,7 +97,8 @@ def _collective_s(kind: str, elements: int, tp: Any, iters: int) -> float:
 
 
 def _latency_curves(tp: Any, sizes: RooflineSizes) -> dict[str, dict[str, float]]:
-    return {kind: {str(n): _collective_s(kind, n, tp, sizes.iters) for n in sizes.comm_sizes}
+    dtype = getattr(torch, sizes.dtype)
+    return {kind: {str(n): _collective_s(kind, n, tp, sizes.iters, dtype) for n in sizes.comm_sizes}
             for kind in ("all_reduce", "all_gather")}
 
 
@@ -108,7 +111,8 @@ def machine_worker(sizes: RooflineSizes) -> dict[str, Any] | None:
         out: dict[str, Any] = {}
         if groups.tp_rank == 0:  # the peer waits in the barrier meanwhile
             out["copy_gbps"] = copy_gbps(sizes.copy_bytes, sizes.iters)
-            out["gemm"] = [{"m": m, "k": k, "n": n, "gflops": gemm_gflops(m, k, n, sizes.iters)}
+            dtype = getattr(torch, sizes.dtype)
+            out["gemm"] = [{"m": m, "k": k, "n": n, "gflops": gemm_gflops(m, k, n, sizes.iters, dtype)}
                            for m, k, n in sizes.gemm_shapes]
         tp = TPView.of(groups.pg_collection.tp)
         comm.barrier(tp)
@@ -163,7 +167,8 @@ def latency_s(curve: dict[str, float], elements: int) -> float:
 
 
 def step_bound(rec: CellRecord, arch: Any, machine: dict[str, Any], dtype_bytes: int = 4) -> StepBound:
-    """The lower bound of one decode step of a measured (and summarised) cell."""
+    """The lower bound of one decode step of a measured (and summarised) cell whose weights are
+    ``dtype_bytes`` each (its KV bytes come from its plan, counted in the same dtype)."""
     assert rec.plan is not None and rec.summary is not None, "bound a measured, summarised cell"
     plan, batch, tp = rec.plan, rec.cell.batch, rec.cell.tp
     h = arch.hidden_size

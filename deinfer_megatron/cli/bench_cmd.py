@@ -23,6 +23,7 @@ from deinfer_megatron.bench.matrix import BenchConfig, BenchGrid, BenchOutputs
 from deinfer_megatron.bench.plot import render_png
 from deinfer_megatron.bench.records import CellStatus, Peer
 from deinfer_megatron.bench.sources import folder_source, synthetic_source
+from deinfer_megatron.cli.arguments import names, parsed_by
 from deinfer_megatron.files.staging import write_atomic
 from deinfer_megatron.generation.prefill import DEFAULT_MAX_PREFILL_TOKENS
 from deinfer_megatron.launch import allocator
@@ -30,6 +31,7 @@ from deinfer_megatron.layers.kv_cache import CacheKind
 from deinfer_megatron.models.synthetic import synthetic_arch
 from deinfer_megatron.parallel.topology import check_parallel_sizes
 from deinfer_megatron.planning.request import LayoutRequest, choices
+from deinfer_megatron.runtime.options import DType
 from deinfer_megatron.specs.layout import latent_cache_layouts
 
 T = TypeVar("T")
@@ -85,6 +87,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"most prompt tokens (batch × positions) per prefill forward; longer prefills run in "
                         f"chunks of positions (default {DEFAULT_MAX_PREFILL_TOKENS})")
     p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up; medians reported")
+    p.add_argument("--dtype", type=parsed_by(DType.parse), choices=names(DType), default=DType.FLOAT32,
+                   help="precision of every cell and peer: weights, factors and KV caches (default float32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="every raw sample and the summaries")
     p.add_argument("--markdown", type=Path, help="the tables as Markdown")
@@ -117,7 +121,7 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
         kv_caches=_members("--kv-cache", a.kv_cache, CacheKind.parse, [k.value for k in CacheKind]),
         tps=a.tp, batches=a.batch, prompt_lens=a.prompt_len, gen_len=a.gen_len, repeats=a.repeats,
         seed=a.seed, max_prefill_tokens=a.max_prefill_tokens, roofline=a.roofline, profile=a.profile,
-        predict=a.predict, cell_timeout_s=a.cell_timeout, peers=peers)
+        predict=a.predict, cell_timeout_s=a.cell_timeout, peers=peers, dtype=a.dtype)
     outputs = BenchOutputs(json=a.json, markdown=a.markdown, plot=a.plot, progress=not a.no_progress)
     return BenchConfig(grid, outputs)
 
@@ -156,7 +160,8 @@ def profiled_and_predicted(grid: BenchGrid, source: Any, records: list[Any]) -> 
         if r.status is CellStatus.OK:
             r = replace(r, step_profile=profile.cell_breakdown(r))
             if grid.predict or r.cell.layout.is_auto:
-                r = replace(r, prediction=prediction.predict(r, source, collectives=grid.collectives))
+                r = replace(r, prediction=prediction.predict(r, source, collectives=grid.collectives,
+                                                             dtype=grid.dtype.value))
         out.append(r)
     return out
 
@@ -173,14 +178,14 @@ def main(cfg: BenchConfig) -> int:
         machine = None
         if grid.roofline:
             print("measuring copy bandwidth, GEMM rate and collective latency ...", file=sys.stderr)
-            machine = roofline.measure_machine(roofline.sizes_for(source.arch, grid.batches))
+            machine = roofline.measure_machine(roofline.sizes_for(source.arch, grid.batches, grid.dtype.value))
         records = matrix.run_matrix(grid, cells, progress=outputs.progress)
         peers = peer_runs.run_peers(grid, source, progress=outputs.progress)
     records = [report.summarize(r) if r.status is CellStatus.OK else r for r in records]
     records = profiled_and_predicted(grid, source, records)
     if machine is not None:
-        records = [replace(r, roofline=roofline.step_bound(r, source.arch, machine)) if r.status is CellStatus.OK
-                   else r for r in records]
+        records = [replace(r, roofline=roofline.step_bound(r, source.arch, machine, grid.dtype.itemsize))
+                   if r.status is CellStatus.OK else r for r in records]
     doc = report.document(cfg, source, records, machine, _host(start_load, started), peers)
     if outputs.json is not None:
         import json

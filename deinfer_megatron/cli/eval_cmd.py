@@ -6,9 +6,10 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from deinfer_megatron.cli.arguments import add_inference_layout
+from deinfer_megatron.cli.arguments import add_inference_layout, names, parsed_by
 from deinfer_megatron.cli.output import emit_json
 from deinfer_megatron.evaluation.perplexity import PerplexityJob, evaluate
+from deinfer_megatron.runtime.options import DType
 
 
 @dataclass(frozen=True)
@@ -30,11 +31,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=PerplexityJob.batch,
                    help="windows per forward (default %(default)s); lower it when the memory check refuses")
     add_inference_layout(p)
+    p.add_argument("--dtype", type=parsed_by(DType.parse), choices=names(DType), default=DType.FLOAT32,
+                   help="precision of the weights, factors and activations; the loss is taken in float32 "
+                        "and summed in float64 either way (default float32)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="load a decomposed folder made elsewhere, without its manifest")
     p.set_defaults(make_config=lambda a: EvalConfig(PerplexityJob(
-        a.model, a.text, a.max_tokens, a.window, a.tp, a.pp, a.layout, a.batch, verify=a.verify), a.json),
+        a.model, a.text, a.max_tokens, a.window, a.tp, a.pp, a.layout, a.batch, verify=a.verify,
+        dtype=a.dtype), a.json),
         run=main)
 
 
@@ -47,5 +52,5 @@ def main(cfg: EvalConfig) -> int:
         emit_json(result)
     else:
         print(f"perplexity {result['ppl']:.4f} over {result['tokens']} tokens in {result['windows']} "
-              f"windows ({result['layout']}, TP={job.tp}, PP={job.pp})")
+              f"windows ({result['layout']}, TP={job.tp}, PP={job.pp}, {job.dtype.value})")
     return 0

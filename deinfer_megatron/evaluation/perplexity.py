@@ -1,9 +1,12 @@
 """Perplexity of a (decomposed) model over non-overlapping windows of a text, computed by the
-Megatron model in the chosen layout and parallel sizes.
+Megatron model in the chosen layout, parallel sizes and precision.
 
 Every rank tokenises the same text and runs the same windows; the last pipeline stage turns
 the logits into summed negative log-likelihoods and the result is broadcast, so that global
-rank 0 reports it whatever the pipeline layout.
+rank 0 reports it whatever the pipeline layout. In bfloat16 the model (weights, factors,
+activations, logits) runs in bfloat16, but the loss is not: each window's logits are taken to
+float32 for the log-softmax and the negative log-likelihoods are summed in float64, as in
+float32, so that the sum over thousands of tokens adds no rounding of its own.
 """
 
 from __future__ import annotations
@@ -76,10 +79,15 @@ class PerplexityJob:
 
     def footprint(self, arch: ModelArch) -> Footprint:
         """A pass's forward: ``batch`` windows, each its own context; the logits of every row, and
-        one window's log-softmax beside them (the loss is taken a window at a time; counted as one
-        more window of logits, which is more than it holds)."""
+        the loss's float32 logits of one window beside them (the loss is taken a window at a time).
+
+        The logits are counted in the job's dtype, two copies a row (``plan.logit_elements``);
+        the loss's window in float32 holds its log-softmax, and in bfloat16 also the float32 copy
+        it is taken from: 4 and 8 bytes a logit, counted as one and two more windows of logits
+        (8 and 8 bytes a logit: the float32 count is more than it holds)."""
         rows = self.batch * self.window
-        return Footprint(prefill_rows=rows, context=self.window, logit_rows=rows + self.window,
+        loss_windows = max(1, 4 // self.dtype.itemsize)  # float32: 1, bfloat16: 2
+        return Footprint(prefill_rows=rows, context=self.window, logit_rows=rows + loss_windows * self.window,
                          rows_option="--batch")
 
     def check_plan(self, plan: LayoutPlan) -> None:
@@ -114,9 +122,9 @@ def _perplexity_on_rank(ctx: RankContext) -> dict:
         pos = torch.arange(batch.shape[1], device=device).expand_as(batch)
         logits = stage_forward(stage, batch, pos)
         if logits is not None:
-            # One window at a time: its slice is contiguous, so only its log-softmax is new
-            # memory (a window × vocab), not a copy of the whole batch's logits and another
-            # for their log-softmax — the memory check counts one forward's logits only.
+            # One window at a time: its slice is contiguous, so only its log-softmax (and, from
+            # bfloat16 logits, its float32 copy) is new memory (a window × vocab), not a copy of
+            # the whole batch's logits and another for their log-softmax (``footprint``).
             nll = sum(F.cross_entropy(row[:-1].float(), ids[1:], reduction="sum").item()
                       for row, ids in zip(logits, batch))
             total += torch.tensor([nll, batch[:, 1:].numel()], dtype=torch.float64, device=device)
@@ -124,7 +132,8 @@ def _perplexity_on_rank(ctx: RankContext) -> dict:
     nll, count = total.tolist()
     plan = {"block_layouts": ctx.plan.to_json()} if job.layout.is_auto else {}
     return {"ppl": math.exp(nll / count), "tokens": int(count), "windows": int(windows.shape[0]),
-            "layout": ctx.plan.name, **plan}  # the layout the ranks built (a launched auto: agreed there)
+            "layout": ctx.plan.name, **plan,  # the layout the ranks built (a launched auto: agreed there)
+            "dtype": job.dtype.value}
 
 
 def evaluate(job: PerplexityJob) -> dict | None:

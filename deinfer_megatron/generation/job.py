@@ -236,7 +236,7 @@ def _generate_on_rank(ctx: RankContext) -> dict[str, Any] | None:
         "engine": job.engine.value,
         "layout": ctx.plan.name,
         **({"block_layouts": ctx.plan.to_json()} if par.layout.is_auto else {}),  # auto's choice per block
-        "kv_cache": job.cache.kind.value, "tp": par.tp, "pp": par.pp,
+        "kv_cache": job.cache.kind.value, "tp": par.tp, "pp": par.pp, "dtype": job.dtype.value,
         "collectives": ctx.groups.transport.kind,  # what carried rank 0's TP collectives
         **({"auto_collectives": ctx.link} if ctx.link else {}),  # [latency s, bytes/s] per kind
     }

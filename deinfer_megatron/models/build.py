@@ -79,6 +79,16 @@ def _to_empty_keeping_attributes(model: torch.nn.Module, device: torch.device) -
             setattr(p, attr, value)
 
 
+def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every floating-point parameter in ``dtype``, as Megatron's ``Float16Module`` casts a
+    bfloat16 model: its norms (``torch.nn.RMSNorm``/``LayerNorm`` behind ``WrappedTorchNorm``)
+    are made in float32 whatever ``params_dtype`` says. In place (``.data``), so each parameter
+    keeps its object and the attributes set on it; buffers (RoPE's float32 frequencies) stay."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
 def _mark_megatron_shards(model: torch.nn.Module) -> None:
     """Give Megatron's own layers the tensor-parallel marks they set only while initialising
     (``perform_initialization``, off here because a checkpoint always follows): without them
@@ -137,6 +147,7 @@ def build_stage(
             pg_collection=groups.pg_collection,
         )
     _mark_megatron_shards(model)
+    _cast_parameters(model, dtype)  # on the meta device: nothing is allocated twice
     _to_empty_keeping_attributes(model, groups.device)
     model.eval()
     model.requires_grad_(False)  # inference; training turns on what it trains (``training``)

@@ -17,7 +17,10 @@ model a user of transformers would write (and the bench reports it as such); the
 and the model's differ only inside a factor pair, in one table (``_FACTOR_NAMES``), read both
 ways. The model is made without initialising its weights (they are all loaded next; untouched
 pages are never resident, so a dense matrix that a factor pair replaces costs no memory) and
-loaded with ``assign``, in float32.
+loaded with ``assign``, in float32 unless a ``dtype`` is asked for (the bench's bfloat16 peers):
+each tensor is cast once as it is read, as ``from_pretrained(dtype=...)`` casts, and a
+multiplied-out ``U·V`` is formed in float32 before its cast. Transformers keeps its rotary
+frequencies in float32 either way.
 """
 
 from __future__ import annotations
@@ -68,13 +71,13 @@ def _weights_not_initialised() -> Iterator[None]:
             yield
 
 
-def _read(source: Any, name: str, own: bool = False) -> torch.Tensor:
-    """A float32 tensor of the folder; ``own``: never the source's own tensor object (a Megatron
-    checkpoint's source holds whole tensors, which training in place would change)."""
+def _read(source: Any, name: str, own: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A tensor of the folder in ``dtype``; ``own``: never the source's own tensor object (a
+    Megatron checkpoint's source holds whole tensors, which training in place would change)."""
     item = source[name]
     if isinstance(item, torch.Tensor):
-        return item.to(torch.float32, copy=own)
-    return item[:].float()  # a lazy safetensors slice reads into new memory
+        return item.to(dtype, copy=own)
+    return item[:].to(dtype)  # a lazy safetensors slice reads into new memory
 
 
 def _model_name(name: str, factored: set[str]) -> str:
@@ -84,18 +87,20 @@ def _model_name(name: str, factored: set[str]) -> str:
 
 
 def hf_model(folder: Path | ModelFolder, *, multiply_out: bool = False, verify: bool = True,
-             trainable: str | None = None) -> nn.Module:
-    """The folder as a float32 Hugging Face causal LM.
+             trainable: str | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The folder as a Hugging Face causal LM in ``dtype`` (float32 by default).
 
     Args:
         folder: a decomposed or dense model folder (path or opened).
-        multiply_out: give each decomposed matrix as one ``nn.Linear`` of ``U·V`` (float32)
-            instead of a :class:`FactorLinears`.
+        multiply_out: give each decomposed matrix as one ``nn.Linear`` of ``U·V`` (the product
+            in float32, then cast to ``dtype``) instead of a :class:`FactorLinears`.
         verify: check the folder's manifest when it is opened here.
         trainable: None — eval mode, every gradient off (a model to run); ``"factors"``,
             ``"u"`` or ``"v"`` — train mode, gradients on for the weights of both factors of every
             pair, only the ``U``s or only the ``V``s (biases, embeddings, norms and the matrices
             kept dense stay frozen), each factor the model's own copy.
+        dtype: what every parameter is cast to, once, as it is read (``torch.float32`` or
+            ``torch.bfloat16``).
 
     Raises:
         ValueError: an unknown ``trainable``, or one with ``multiply_out`` (nothing left to train);
@@ -110,21 +115,22 @@ def hf_model(folder: Path | ModelFolder, *, multiply_out: bool = False, verify: 
     opened = folder if isinstance(folder, ModelFolder) else open_model(folder, verify=verify)
     config = transformers.AutoConfig.from_pretrained(opened.path)
     with _weights_not_initialised():
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     modules = dict(model.named_modules())
     source, factored = opened.source, set(opened.rank_config.modules)
     state = {}
     for name in factored:
         u, v = _read(source, f"{name}.u", trainable is not None), _read(source, f"{name}.v", trainable is not None)
         if multiply_out:
-            state[f"{name}.weight"] = u @ v
+            state[f"{name}.weight"] = (u @ v).to(dtype)
         else:
+            u, v = u.to(dtype), v.to(dtype)
             parent, _, leaf = name.rpartition(".")
             setattr(modules[parent], leaf, FactorLinears(v.shape[1], v.shape[0], u.shape[0], f"{name}.bias" in source))
             state[_model_name(f"{name}.u", factored)], state[_model_name(f"{name}.v", factored)] = u, v
     factors = {f"{name}.{leaf}" for name in factored for leaf in ("u", "v")}
     renamed = set() if multiply_out else factored  # a multiplied-out matrix keeps its bias's own name
-    state.update((_model_name(k, renamed), _read(source, k)) for k in source if k not in factors)
+    state.update((_model_name(k, renamed), _read(source, k, dtype=dtype)) for k in source if k not in factors)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     tied = opened.arch.tied_embeddings
     missing = [k for k in missing if not (tied and k == "lm_head.weight")]

@@ -51,10 +51,10 @@ def tiny(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dict]:
     return tmp, proc, doc
 
 
-def expected_plan(layout: str, tp: int) -> dict:
+def expected_plan(layout: str, tp: int, dtype_bytes: int = 4) -> dict:
     arch = synthetic_arch("llama-tiny")
     ranks = RankConfig.from_mapping(uniform_ranks(arch, 0.6), arch)
-    return make_plan(arch, ranks, Layout(layout), tp=tp).totals
+    return make_plan(arch, ranks, Layout(layout), tp=tp, dtype_bytes=dtype_bytes).totals
 
 
 def test_every_cell_measured_and_matches_the_plan(tiny) -> None:
@@ -273,14 +273,18 @@ def test_json_keys_equal_the_documented_runs(tiny) -> None:
 
 
 def test_latent_cache_skips_and_roofline_through_the_cli(tmp_path) -> None:
+    """In bfloat16 (``--dtype``): the cell's latent cache holds the planner's 2-byte count, the
+    roofline measures bfloat16 GEMMs and collectives, and the run records its dtype."""
     proc, doc = bench(tmp_path, "--synthetic", "llama-tiny", "--tp", "2", "--batch", "2", "--gen-len", "3",
                       "--repeats", "1", "--layouts", "naive,deinfer", "--kv-cache", "latent", "--roofline",
-                      "--json", "out.json", "--no-progress")
+                      "--dtype", "bfloat16", "--json", "out.json", "--no-progress")
+    assert doc["args"]["dtype"] == "bfloat16"
     skipped, ok = doc["cells"]
     assert skipped["status"] == "skipped" and "deinfer layout only" in skipped["reason"]
     assert ok["status"] == "ok" and ok["kv_cache"] == "latent" and ok["summary"]["plan_match"]
-    full = expected_plan("deinfer", 2)
+    full = expected_plan("deinfer", 2, dtype_bytes=2)
     assert ok["summary"]["kv_bytes_per_token"] == full["kv_bytes_per_token"]["latent"]
+    assert full["kv_bytes_per_token"]["latent"] * 2 == expected_plan("deinfer", 2)["kv_bytes_per_token"]["latent"]
     machine, bound = doc["roofline"], ok["roofline"]
     assert machine["copy_gbps"] > 0 and all(g["gflops"] > 0 for g in machine["gemm"])
     assert bound["bound_s"] > 0 and bound["measured_over_bound"] > 0

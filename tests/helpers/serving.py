@@ -81,6 +81,7 @@ class Driven:
     evicted: bool = False  # a cached block was taken for another sequence
     hit_tokens: int = 0
     queried_tokens: int = 0
+    pool_dtypes: frozenset = frozenset()  # of every layer's paged pool
 
 
 def ids_text(ids: list[int]) -> str:
@@ -131,6 +132,8 @@ def drive_steps(stage: Any, prompts: list[list[int]], max_new: list[int], arrive
         step += 1
         assert step < 10_000, "the requests never finished"
     exchange_plan(StepPlan(stop=True), stage.device)
+    seen.pool_dtypes = frozenset(str(t.dtype) for cache in runner.context.key_value_memory_dict.values()
+                                 for t in (cache.a, cache.b))
     seen.tokens = [[int(t) for t in text.split(",")[:-1]] for text in texts]
     seen.hit_tokens, seen.queried_tokens = pool.hit_tokens, pool.queried_tokens
     return seen

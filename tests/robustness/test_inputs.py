@@ -153,3 +153,29 @@ def test_temperature_zero_is_greedy(models, capfd) -> None:
         assert run(gen(models.dense, "--prompt", "Emma Woodhouse", "--json", "--max-new-tokens", "8", *extra)) == 0
         texts.append(json.loads(capfd.readouterr().out)["outputs"][0]["token_ids"])
     assert texts[0] == texts[1] == texts[2]
+
+
+@pytest.mark.parametrize("command", ["generate", "eval-ppl", "bench", "serve"])
+def test_unknown_dtype_is_refused_by_the_parser(models, tmp_path, capfd, command: str) -> None:
+    """``--dtype`` of every inference command takes float32 or bfloat16; anything else is
+    argparse's refusal (its usage, then one error line naming the value and the choices), before
+    any model file is read."""
+    text = tmp_path / "text.txt"
+    text.write_text("It is a truth universally acknowledged. " * 20)
+    argv = {"generate": gen(models.dense, "--prompt", "Hi"),
+            "eval-ppl": ["eval-ppl", "--model", models.dense, "--text", text],
+            "bench": ["bench", "--model", models.dense],
+            "serve": ["serve", "--model", models.decomposed]}[command]
+    from deinfer_megatron.cli.main import build_parser
+    from deinfer_megatron.runtime.options import DType
+
+    args = build_parser().parse_args([str(a) for a in argv] + ["--dtype", "bfloat16"])
+    cfg = args.make_config(args)
+    job = cfg.grid if command == "bench" else cfg.job
+    assert job.dtype is DType.BFLOAT16, "the accepted value reaches the job"
+    for bad in ("float16", "bf16", ""):
+        with pytest.raises(SystemExit, match="2"):
+            run([str(a) for a in argv] + ["--dtype", bad])
+        errors = [line for line in capfd.readouterr().err.splitlines() if "error" in line]
+        assert len(errors) == 1 and "Traceback" not in errors[0], errors
+        assert f"argument --dtype: unknown dtype {bad!r}; choose one of float32, bfloat16" in errors[0], errors

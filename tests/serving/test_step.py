@@ -3,16 +3,21 @@ different steps, share few blocks, prefill together and beside running decodes, 
 prefixes, and wait for blocks in a full pool — each still produces what Hugging Face ``generate``
 produces for it alone (greedy) and what the project's unpaged loop produces, for both KV caches,
 RoPE (LLaMA) and learned positions (OPT), at TP=1, TP=3 and PP=2. A seeded sampled request draws
-what ``generate``'s own loop draws for it alone.
+what ``generate``'s own loop draws for it alone. In bfloat16 (``serve --dtype bfloat16``, TP=1,
+both caches) the pool is bfloat16 and requests joining at different steps produce what
+transformers in bfloat16 produces for them, on prompts whose greedy steps bfloat16 rounding
+cannot flip (``tests.helpers.bf16``).
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tests.helpers.bf16 import TOLERANCE, bf16_error, decided
 from tests.helpers.distributed import run_ranks
 from tests.helpers.serving import drive_steps
 from tests.helpers.tiny_models import full_rank_folders
@@ -34,6 +39,7 @@ CASES = {
                   dict(blocks=10, chunk=16)),  # and cached blocks are evicted for them
 }
 JOINING = {"joining": CASES["joining"]}  # the case the rarer variants run
+BF16_NEW = 6  # new tokens of each bfloat16 request
 
 
 def greedy_alone(hf: Any, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
@@ -56,7 +62,7 @@ def check_case(name: str, driven: Any, expected: list[list[int]]) -> None:
         assert driven.waited and driven.evicted, "requests waited for blocks, and cached blocks were reused"
 
 
-def step_worker(folders: dict[str, str]) -> dict[str, Any]:
+def step_worker(folders: dict[str, str], bf16_prompts: list[list[int]]) -> dict[str, Any]:
     from deinfer_megatron.generation.context import GenerationContext
     from deinfer_megatron.generation.loop import generate_tokens
     from deinfer_megatron.generation.sampling import SamplingParams
@@ -85,9 +91,14 @@ def step_worker(folders: dict[str, str]) -> dict[str, Any]:
                 generate_tokens(stage, [p], max_new_tokens=m, params=sampled,
                                 context=GenerationContext(1, len(p) + m))[0][0].token_ids
                 for p, m in zip(PROMPTS, MAX_NEW)]
+        stage = load_folder(Path(folders["llama"]), Layout.DEINFER, groups, dtype=torch.bfloat16)
+        for kind in ("full", "latent"):  # three requests joining at steps 0, 2 and 3, chunks of 4 beside decodes
+            out[f"bf16/{kind}"] = drive_steps(stage, bf16_prompts, [BF16_NEW] * len(bf16_prompts),
+                                              [0, 2, 3][: len(bf16_prompts)], kind=kind)
     finally:
         shutdown()
     return out
+
 
 
 def test_requests_joining_at_any_step_equal_generation_alone(tmp_path) -> None:
@@ -96,7 +107,14 @@ def test_requests_joining_at_any_step_equal_generation_alone(tmp_path) -> None:
         hf, _, dec = full_rank_folders(tmp_path / family, family)
         folders[family] = str(dec)
         expected[family] = {case: greedy_alone(hf, prompts, new) for case, (prompts, new, _, _) in CASES.items()}
-    results = run_ranks(1, step_worker, folders)[0]
+        if family == "llama":
+            hf16 = copy.deepcopy(hf).to(torch.bfloat16)  # as transformers loads the float32 folder in bfloat16
+            bf16 = decided(hf16, TOLERANCE * bf16_error(hf, hf16), new=BF16_NEW)
+    results = run_ranks(1, step_worker, folders, bf16[:, :-BF16_NEW].tolist())[0]
+    for kind in ("full", "latent"):
+        driven = results.pop(f"bf16/{kind}")
+        assert driven.pool_dtypes == {"torch.bfloat16"}, kind
+        assert driven.mixed and driven.tokens == bf16[:, -BF16_NEW:].tolist(), f"bf16/{kind}"
     for family in folders:
         for kind, cases in (("full/True", CASES), ("latent/True", CASES), ("latent/False", JOINING)):
             for case in cases:
