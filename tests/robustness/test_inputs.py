@@ -130,6 +130,16 @@ def test_decompose_options(models, tmp_path, capfd) -> None:
         capfd, *base, "--method", "svd", "--rank-config", ranks)
     assert "is already decomposed" in cli_error(
         capfd, "decompose", "--model", models.decomposed, "--method", "svd", "--ratio", "0.5", "--out", tmp_path / "o2")
+    line = cli_error(capfd, *base, "--method", "svd", "--ratio", "0.5", "--update", "sequential")
+    assert "--update sequential fits the factors to calibration data: pass --calib-text" in line
+    line = cli_error(capfd, *base, "--method", "svd", "--ratio", "0.5", "--allocation", "fisher")
+    assert "--allocation fisher measures each matrix's sensitivity on calibration data" in line
+    for bad in ("-0.1", "nan"):
+        line = cli_error(capfd, *base, "--method", "svd-llm", "--ratio", "0.5", "--calib-self", "1",
+                         "--update", "sequential", "--update-damp", bad)
+        assert f"--update-damp must be a number ≥ 0 (a fraction of the mean diagonal of XᵀX), got {bad}" in line
+    line = cli_error(capfd, *base, "--method", "svd-llm", "--ratio", "0.5", "--calib-self", "0")
+    assert "--calib-self must be at least 1 sequence, got 0" in line
     assert not (tmp_path / "o").exists() and not (tmp_path / "o2").exists()
 
 
