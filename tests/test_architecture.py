@@ -141,3 +141,22 @@ def test_no_import_circles() -> None:
 def test_the_circle_check_finds_a_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_the_projects_imports_are_at_module_level() -> None:
+    """Every import of the project's own modules is at the top of its module, where a reader sees
+    what the module depends on: none is hidden in a function (nothing forces one there, since
+    there are no circles). External heavy imports (transformers, deepspeed) may stay lazy."""
+    hidden = []
+    for path in sorted(ROOT.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        top = {id(node) for node in tree.body}
+        for node in tree.body:  # an ``if TYPE_CHECKING:`` block is top level too
+            if isinstance(node, ast.If):
+                top |= {id(n) for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top:
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                if getattr(node, "level", 0) or any(n.split(".")[0] == "deinfer_megatron" for n in names):
+                    hidden.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")
+    assert not hidden, "imports of the project's modules inside functions:\n" + "\n".join(hidden)

@@ -15,6 +15,8 @@ import sys
 import warnings
 from typing import Any, Sequence
 
+from deinfer_megatron.cli.output import stdout_reserved_for_json
+from deinfer_megatron.launch import allocator
 from deinfer_megatron.launch.env import detect
 
 COMMANDS = ("fetch_cmd", "decompose_cmd", "plan_cmd", "eval_cmd", "generate_cmd", "demo_cmd", "bench_cmd",
@@ -67,14 +69,12 @@ def run(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         _quiet_known_warnings()
-        from deinfer_megatron.cli.output import stdout_reserved_for_json
 
         argv = list(sys.argv[1:] if argv is None else argv)
         args = build_parser().parse_args(argv)
         args.argv = argv  # the command line as given: what a launcher re-runs on every rank
         command = f"deinfer-megatron {args.command}"
         setup_logging(args.verbose)
-        from deinfer_megatron.launch import allocator
 
         allocator.configure()  # before any tensor: every rank of every launcher runs this command
         with stdout_reserved_for_json(getattr(args, "json", None) is True):

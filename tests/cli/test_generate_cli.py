@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deinfer_megatron.specs.layout import Layout
 from tests.helpers.cli import run_cli, run_cli_together
 from tests.helpers.tiny_models import full_rank_folders
 
@@ -121,7 +122,7 @@ def test_flags_are_parsed_into_a_typed_config(tmp_path: Path) -> None:
     from deinfer_megatron.runtime.options import DType, Engine
     from deinfer_megatron.layers.kv_cache import CacheKind
     from deinfer_megatron.parallel.collectives import Collectives
-    from deinfer_megatron.specs.layout import INFERENCE_DEFAULT, Layout
+    from deinfer_megatron.planning.request import INFERENCE_DEFAULT, LayoutRequest
 
     args = build_parser().parse_args(
         ["generate", "--model", str(tmp_path), "--prompt", "Hi", "--prompt", "Ho", "--tp", "2", "--layout", "naive",
@@ -131,13 +132,14 @@ def test_flags_are_parsed_into_a_typed_config(tmp_path: Path) -> None:
     assert isinstance(cfg, GenerateConfig) and cfg.launcher == "torchrun" and cfg.json
     job = cfg.job
     assert job.prompts == ("Hi", "Ho") and not job.stream
-    assert (job.parallel.tp, job.parallel.pp, job.parallel.layout) == (2, 1, Layout.NAIVE)
+    assert (job.parallel.tp, job.parallel.pp, job.parallel.layout) == (2, 1, LayoutRequest(Layout.NAIVE))
     assert job.parallel.collectives is Collectives.PROCESS_GROUP
     assert (job.cache.kind, job.cache.absorb_values, job.cache.budget_gb) == (CacheKind.LATENT, False, 0.5)
     assert job.engine is Engine.DEEPSPEED and job.dtype is DType.BFLOAT16
     defaults = build_parser().parse_args(["generate", "--model", str(tmp_path), "--prompt", "Hi"])
     job = defaults.make_config(defaults).job
-    assert job.parallel.layout == INFERENCE_DEFAULT == "auto" and job.cache.kind is CacheKind.FULL and job.stream
+    assert job.parallel.layout == INFERENCE_DEFAULT == LayoutRequest.auto() and job.cache.kind is CacheKind.FULL
+    assert job.parallel.layout.name == "auto" and job.stream
     assert job.parallel.collectives is Collectives.AUTO
     assert job.engine is Engine.MEGATRON and job.dtype is DType.FLOAT32
 
@@ -151,12 +153,12 @@ def test_inference_commands_default_to_auto_and_serve_to_deinfer(capsys) -> None
     for command, extra in (("generate", ["--prompt", "Hi"]), ("eval-ppl", ["--text", "t.txt"])):
         args = parser.parse_args([command, "--model", "m", *extra])
         job = args.make_config(args).job
-        assert (job.parallel.layout if command == "generate" else job.layout) == "auto", command
+        assert (job.parallel.layout if command == "generate" else job.layout).is_auto, command
         with pytest.raises(SystemExit):
             parser.parse_args([command, "--help"])
         assert "(default: auto)" in " ".join(capsys.readouterr().out.split()), command
     args = parser.parse_args(["serve", "--model", "m"])
-    assert args.make_config(args).job.parallel.layout == "deinfer"
+    assert args.make_config(args).job.parallel.layout.fixed is Layout.DEINFER
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--model", "m", "--layout", "auto"])
     assert "unknown layout 'auto'" in capsys.readouterr().err

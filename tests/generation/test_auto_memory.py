@@ -55,7 +55,7 @@ def test_the_default_takes_the_fastest_layout_that_fits(folder, tmp_path, monkey
     assert {(b.attention, b.mlp) for b in free.layers} == {(Layout.NAIVE, Layout.NAIVE)}
 
     monkeypatch.setattr(preflight, "available_bytes", lambda: (need[Layout.DEINFER] + need[Layout.NAIVE]) // 2)
-    with caplog.at_level(logging.INFO, logger="deinfer_megatron.planning.auto"):
+    with caplog.at_level(logging.INFO, logger="deinfer_megatron.planning"):
         tight = prepared.choose()
     # the planted table prices deinfer and dense alike: deinfer comes first among the candidates
     assert {(b.attention, b.mlp) for b in tight.layers} == {(Layout.DEINFER, Layout.DEINFER)}

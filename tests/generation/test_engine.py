@@ -17,6 +17,7 @@ from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
 from deinfer_megatron.generation.job import GenerateJob
 from deinfer_megatron.generation.options import CacheOptions
 from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.planning.request import LayoutRequest
 from deinfer_megatron.runtime.options import DType, Engine, Parallelism
 from deinfer_megatron.specs.layout import Layout, latent_cache_layouts
 from tests.helpers.distributed import run_ranks
@@ -81,8 +82,9 @@ def test_the_engine_is_driven_without_patching_megatron(model: str) -> None:
 
 def test_options_are_typed_and_parsed_once() -> None:
     par = Parallelism(tp=2, pp=1, layout="naive")
-    assert par.layout is Layout.NAIVE and par.world == 2
-    assert Parallelism(layout=Layout.DENSE).layout is Layout.DENSE
+    assert par.layout == LayoutRequest(Layout.NAIVE) and par.layout.fixed is Layout.NAIVE and par.world == 2
+    assert Parallelism(layout=Layout.DENSE).layout.fixed is Layout.DENSE
+    assert Parallelism(layout="auto").layout.is_auto and Parallelism().layout.fixed is Layout.DEINFER
     assert CacheOptions("latent").kind is CacheKind.LATENT
     with pytest.raises(ValueError, match="unknown KV cache kind 'half'; choose one of full, latent"):
         CacheOptions("half")
