@@ -17,8 +17,8 @@ from typing import Any, Sequence
 
 from deinfer_megatron.launch.env import detect
 
-COMMANDS = ("fetch_cmd", "decompose_cmd", "plan_cmd", "eval_cmd", "generate_cmd", "demo_cmd", "bench_cmd",
-            "convert_cmd", "serve_cmd", "loadgen_cmd",
+COMMANDS = ("fetch_cmd", "decompose_cmd", "plan_cmd", "eval_cmd", "choice_cmd", "generate_cmd", "demo_cmd",
+            "bench_cmd", "convert_cmd", "serve_cmd", "loadgen_cmd",
             "heal_cmd")
 
 
