@@ -114,3 +114,13 @@ def test_pp2_dense_layout_matches_transformers(case) -> None:
     result = evaluate_choices(ChoiceJob(case["dec"], case["items"], pp=2, layout="dense", batch_tokens=64))
     assert (result["pp"], result["layout"]) == (2, "dense")
     assert_matches_reference(result, case)
+
+
+def test_defaults_are_the_shipped_items_and_auto() -> None:
+    from deinfer_megatron.cli.main import build_parser
+    from deinfer_megatron.evaluation.items import SHIPPED_ITEMS
+
+    args = build_parser().parse_args(["eval-choice", "--model", "m"])
+    cfg = args.make_config(args)
+    assert cfg.job.items == SHIPPED_ITEMS and cfg.job.layout == "auto" and cfg.job.batch_tokens == 2048
+    assert not cfg.json and not cfg.per_item and cfg.job.verify
