@@ -122,5 +122,5 @@ def test_defaults_are_the_shipped_items_and_auto() -> None:
 
     args = build_parser().parse_args(["eval-choice", "--model", "m"])
     cfg = args.make_config(args)
-    assert cfg.job.items == SHIPPED_ITEMS and cfg.job.layout == "auto" and cfg.job.batch_tokens == 2048
+    assert cfg.job.items == SHIPPED_ITEMS and cfg.job.layout.is_auto and cfg.job.batch_tokens == 2048
     assert not cfg.json and not cfg.per_item and cfg.job.verify
