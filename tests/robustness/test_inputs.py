@@ -163,3 +163,14 @@ def test_temperature_zero_is_greedy(models, capfd) -> None:
         assert run(gen(models.dense, "--prompt", "Emma Woodhouse", "--json", "--max-new-tokens", "8", *extra)) == 0
         texts.append(json.loads(capfd.readouterr().out)["outputs"][0]["token_ids"])
     assert texts[0] == texts[1] == texts[2]
+
+
+def test_demo_ratio(capfd) -> None:
+    """The SmolLM2 demo's two operating points; anything else is refused before anything is fetched."""
+    assert "--ratio 0.7 is not one of the demo's measured operating points; use 0.8 or 0.6" in cli_error(
+        capfd, "demo", "--ratio", "0.7")
+    assert "--ratio 1.0 is not one of the demo's" in cli_error(capfd, "demo", "--ratio", "1")
+    with pytest.raises(SystemExit) as exit_:  # argparse's own one-line refusal
+        run(["demo", "--ratio", "x"])
+    assert exit_.value.code == 2 and "argument --ratio: invalid float value: 'x'" in capfd.readouterr().err
+    assert "--ratio applies to the SmolLM2 demo" in cli_error(capfd, "demo", "--layouts", "--ratio", "0.6")
