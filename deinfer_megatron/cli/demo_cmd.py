@@ -52,7 +52,9 @@ DEMO_RATIO = 0.6
 
 DEMO_PROMPTS = ("What is the capital of France?", "Give me one short tip for staying healthy.")
 SMOLLM2_RATIOS = (0.8, 0.6)  # the operating points docs/DECOMPOSITION.md and docs/HEALING.md measure
-SMOLLM2_ALLOCATION = "variadic"  # the decomposition docs/DECOMPOSITION.md recommends (its held-out table)
+# the decomposition docs/DECOMPOSITION.md recommends: in its held-out table fisher beats variadic on
+# both held-out texts at both ratios; --update sequential does not (worse prose at 0.8)
+SMOLLM2_ALLOCATION = "fisher"
 SMOLLM2_UPDATE = "none"
 
 

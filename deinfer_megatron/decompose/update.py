@@ -22,8 +22,7 @@ matrix,
 which is the same least-squares problem on activations with √λ·I appended as extra rows to X_s
 and to X_d. Without it the update fits the calibration data and little else: V is divided by
 the small singular values of S in the directions the calibration barely excites, and text that
-does excite them fares far worse than before the update (docs/DECOMPOSITION.md has the
-measurement). λ keeps those directions at W's own values; 0.01 of the mean diagonal is also
+does excite them can fare worse than before the update. λ keeps those directions at W's own values; 0.01 of the mean diagonal is also
 GPTQ's damping of the same Gram matrix.
 
 E_λ depends on the data only through ``G_λ = X_sᵀX_s + λI`` and ``C_λ = X_dᵀX_s + λI`` (in × in

@@ -98,3 +98,27 @@ def test_the_ratio_option_picks_an_operating_point(tmp_path, monkeypatch) -> Non
     monkeypatch.setenv("DEINFER_MEGATRON_CACHE", str(tmp_path))
     assert demo_folder(0.8) == tmp_path / "smollm2-135m-svd-llm-r0.8-self"  # the cache earlier demos made
     assert demo_folder(0.6) == tmp_path / "smollm2-135m-svd-llm-r0.6-self"
+
+
+def test_the_demo_decomposes_with_the_recommended_options(tmp_path, monkeypatch) -> None:
+    """docs/DECOMPOSITION.md's held-out table recommends --allocation fisher, no update, for both
+    operating points; the demo's decomposition is asked for exactly that, into its own folder."""
+    from deinfer_megatron.cli import demo_cmd
+
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def record(job):
+        asked.append(job)
+        raise Stop
+
+    monkeypatch.setenv("DEINFER_MEGATRON_CACHE", str(tmp_path))
+    monkeypatch.setattr(demo_cmd, "fetch_model", lambda name: tmp_path / name)
+    monkeypatch.setattr(demo_cmd, "run_decompose", record)
+    for ratio in SMOLLM2_RATIOS:
+        with pytest.raises(Stop):
+            demo_cmd.smollm2_demo(DemoConfig(ratio=ratio))
+    assert [(j.method, j.ratio, j.allocation, j.update, j.calib_self, j.calib_seq_len, j.out) for j in asked] == [
+        ("svd-llm", r, "fisher", "none", 16, 256, tmp_path / f"smollm2-135m-svd-llm-r{r}-self") for r in SMOLLM2_RATIOS]
