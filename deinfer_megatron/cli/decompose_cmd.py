@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from deinfer_megatron.decompose.job import METHODS, DecomposeJob, run_decompose
+from deinfer_megatron.decompose.job import ALLOCATIONS, METHODS, DecomposeJob, run_decompose
+from deinfer_megatron.decompose.update import UPDATE_DAMP, UPDATES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -15,7 +16,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--ratio", type=float, help="fraction of the linear parameters kept, in (0, 1]")
     budget.add_argument("--rank-config", type=Path, help="explicit ranks (JSON: module → rank)")
-    p.add_argument("--allocation", choices=("uniform", "variadic"), default="uniform")
+    p.add_argument("--allocation", choices=ALLOCATIONS, default="uniform",
+                   help="ranks under --ratio: uniform; variadic (by truncation loss, per kind of matrix); "
+                        "fisher (truncation loss × measured end-to-end sensitivity, one budget)")
+    p.add_argument("--update", choices=UPDATES, default="none",
+                   help="sequential: refit U, then V, to the dense model's outputs on the calibration data")
+    p.add_argument("--update-damp", type=float, default=UPDATE_DAMP, metavar="D",
+                   help="the update's pull towards the dense matrix: λ = D · mean(diag(XᵀX)) (default %(default)s)")
     calib = p.add_mutually_exclusive_group()
     calib.add_argument("--calib-text", type=Path, help="calibration text file")
     calib.add_argument("--calib-self", type=int, metavar="N", help="calibrate on N self-sampled sequences")
@@ -33,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(make_config=lambda a: DecomposeJob(
         a.model, a.method, a.ratio, a.rank_config, a.allocation, a.calib_text, a.calib_self,
         a.calib_tokens, a.calib_seq_len, a.layers, a.sequential, a.out, a.tokenizer, a.seed,
-        a.asvd_alpha, a.overwrite), run=main)
+        a.asvd_alpha, a.overwrite, a.update, a.update_damp), run=main)
 
 
 def main(job: DecomposeJob) -> int:

@@ -1,7 +1,8 @@
 """``deinfer-megatron demo``: the project end to end on the embedded real model.
 
-Default: fetch SmolLM2-135M-Instruct, decompose it (svd-llm, ratio 0.8, calibrated on text the
-model samples itself — no data needed), heal it by distillation from the dense model on
+Default: fetch SmolLM2-135M-Instruct, decompose it (svd-llm, ratio 0.8 — or 0.6 with ``--ratio``:
+the two documented operating points — calibrated on text the model samples itself, no data
+needed), heal it by distillation from the dense model on
 conversations the dense model writes (``heal``; both steps cached), then answer two chat
 prompts at TP=3 in the DeInfer layout with the latent KV cache, printing the decomposed, the
 healed and the dense model's answers side by side.
@@ -50,6 +51,11 @@ DEMO_RATIO = 0.6
 
 
 DEMO_PROMPTS = ("What is the capital of France?", "Give me one short tip for staying healthy.")
+SMOLLM2_RATIOS = (0.8, 0.6)  # the operating points docs/DECOMPOSITION.md and docs/HEALING.md measure
+# the decomposition docs/DECOMPOSITION.md recommends: in its held-out table fisher beats variadic on
+# both held-out texts at both ratios; --update sequential does not (worse prose at 0.8)
+SMOLLM2_ALLOCATION = "fisher"
+SMOLLM2_UPDATE = "none"
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class DemoConfig:
     layouts: bool = False
     max_new_tokens: int = 40
     json: bool = False  # --layouts: one JSON document per layout on stdout, instead of the tables
+    ratio: float = SMOLLM2_RATIOS[0]  # the SmolLM2 demo's operating point
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -68,13 +75,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=40)
     p.add_argument("--json", action="store_true", help="with --layouts: one JSON document per layout")
+    p.add_argument("--ratio", type=float,
+                   help="the SmolLM2 demo's fraction of linear parameters kept: "
+                        f"{' or '.join(map(str, SMOLLM2_RATIOS))} (default {SMOLLM2_RATIOS[0]})")
     p.set_defaults(make_config=config_from_args, run=main)
 
 
 def config_from_args(a: argparse.Namespace) -> DemoConfig:
     if a.json and not a.layouts:
         raise ValueError("--json applies to --layouts; the SmolLM2 demo prints its answers as text")
-    return DemoConfig(a.tp or (2 if a.layouts else 3), a.seed, a.layouts, a.max_new_tokens, a.json)
+    if a.ratio is not None and a.layouts:
+        raise ValueError(f"--ratio applies to the SmolLM2 demo; --layouts decomposes its tiny model at {DEMO_RATIO}")
+    ratio = SMOLLM2_RATIOS[0] if a.ratio is None else a.ratio
+    if ratio not in SMOLLM2_RATIOS:
+        raise ValueError(f"--ratio {a.ratio} is not one of the demo's measured operating points; "
+                         f"use {' or '.join(map(str, SMOLLM2_RATIOS))}")
+    return DemoConfig(a.tp or (2 if a.layouts else 3), a.seed, a.layouts, a.max_new_tokens, a.json, ratio)
 
 
 def _setup(seed: int) -> tuple[Any, Any, dict, torch.Tensor]:
@@ -118,13 +134,17 @@ def _reference_logits(arch: Any, rank_config: Any, state: dict, ids: torch.Tenso
         return model(ids).logits
 
 
-def cache_is_current(manifest: Path) -> bool:
-    """Whether the cached decomposition was made by the allocator this code runs: a cache made
-    by an older one (which factored break-even matrices) is decomposed again, in place — the
-    folder is the demo's own, and ``--overwrite`` replaces only folders the project made."""
+def cache_is_current(manifest: Path, ratio: float = SMOLLM2_RATIOS[0]) -> bool:
+    """Whether the cached decomposition (or the healed folder, whose manifest keeps the
+    decomposition's entries) was made by the allocator this code runs with the demo's settings
+    at ``ratio``: a cache made otherwise (an older allocator that factored break-even matrices,
+    another allocation or update) is decomposed again, in place — the folder is the demo's own,
+    and ``--overwrite`` replaces only folders the project made."""
 
     try:
-        return json.loads(manifest.read_text()).get("allocator") == ALLOCATOR_VERSION
+        made = json.loads(manifest.read_text())
+        return (made.get("allocator") == ALLOCATOR_VERSION and made.get("ratio") == ratio
+                and made.get("allocation") == SMOLLM2_ALLOCATION and made.get("update", "none") == SMOLLM2_UPDATE)
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -132,12 +152,12 @@ def cache_is_current(manifest: Path) -> bool:
 HEAL_TOKENS = 16 * 4 * 256  # 16 steps of 4 windows: a few minutes on 2 cores, done once
 
 
-def _healed(dense: Any, decomposed: Any, seed: int) -> Any:
+def _healed(dense: Any, decomposed: Any, ratio: float, seed: int) -> Any:
     """The demo's decomposition healed by distillation from the dense model, on conversations
     the dense model writes itself (no data needed); done once, then cached."""
 
     healed = cache_dir() / f"{decomposed.name}-healed"
-    if not cache_is_current(healed / MANIFEST):  # healed from an older decomposition: heal again
+    if not cache_is_current(healed / MANIFEST, ratio):  # healed from an older decomposition: heal again
         print(f"healing it: {HEAL_TOKENS:,} tokens of KL distillation from the dense model on conversations "
               "it writes itself (done once, then cached)...")
         run_heal(HealJob(model=decomposed, teacher=dense, out=healed, calib_self=32, tokens=HEAL_TOKENS,
@@ -146,19 +166,24 @@ def _healed(dense: Any, decomposed: Any, seed: int) -> Any:
     return healed
 
 
+def demo_folder(ratio: float) -> Path:
+    """The cached decomposition of the demo at ``ratio`` (its healed folder is beside it, ``-healed``)."""
+    return cache_dir() / f"smollm2-135m-svd-llm-r{ratio}-self"
+
+
 def smollm2_demo(cfg: DemoConfig) -> int:
     """Decompose the embedded model once (cached), heal it (cached), then generate beside the
     dense model."""
 
     dense = fetch_model("smollm2-135m")
-    decomposed = cache_dir() / "smollm2-135m-svd-llm-r0.8-self"
-    if not cache_is_current(decomposed / MANIFEST):
-        print("decomposing SmolLM2-135M (svd-llm, ratio 0.8, calibrated on conversations the model "
+    decomposed = demo_folder(cfg.ratio)
+    if not cache_is_current(decomposed / MANIFEST, cfg.ratio):
+        print(f"decomposing SmolLM2-135M (svd-llm, ratio {cfg.ratio}, calibrated on conversations the model "
               "writes itself; done once, then cached)...")
-        run_decompose(DecomposeJob(dense, "svd-llm", ratio=0.8, allocation="variadic",
-                                   calib_self=16, calib_seq_len=256, out=decomposed, seed=cfg.seed,
-                                   overwrite=True))  # the project's own cache: an older run may be replaced
-    healed = _healed(dense, decomposed, cfg.seed)
+        run_decompose(DecomposeJob(dense, "svd-llm", ratio=cfg.ratio, allocation=SMOLLM2_ALLOCATION,
+                                   update=SMOLLM2_UPDATE, calib_self=16, calib_seq_len=256, out=decomposed,
+                                   seed=cfg.seed, overwrite=True))  # the project's own cache: may be replaced
+    healed = _healed(dense, decomposed, cfg.ratio, cfg.seed)
     common = dict(prompts=DEMO_PROMPTS, max_new_tokens=cfg.max_new_tokens, chat=True)
     print(f"generating at TP={cfg.tp}: DeInfer layout + latent KV cache (decomposed, then healed), "
           "and the dense model...")
@@ -168,7 +193,7 @@ def smollm2_demo(cfg: DemoConfig) -> int:
     base = run_generate(GenerateJob(model=dense, parallel=Parallelism(cfg.tp, layout=Layout.DENSE), **common))
     for mine, fixed, theirs in zip(ours["outputs"], mended["outputs"], base["outputs"]):
         print(f"\n### {mine['prompt']}")
-        print(f"[decomposed, ratio 0.8, DeInfer, latent cache] {mine['text'].strip()}")
+        print(f"[decomposed, ratio {cfg.ratio}, DeInfer, latent cache] {mine['text'].strip()}")
         print(f"[healed (distilled), same layout and cache]    {fixed['text'].strip()}")
         print(f"[dense]                                        {theirs['text'].strip()}")
     print(f"\nKV cache per rank: decomposed {ours['kv_cache_bytes']:,} B "

@@ -19,8 +19,8 @@ from deinfer_megatron.cli.output import stdout_reserved_for_json
 from deinfer_megatron.launch import allocator
 from deinfer_megatron.launch.env import detect
 
-COMMANDS = ("fetch_cmd", "decompose_cmd", "plan_cmd", "eval_cmd", "generate_cmd", "demo_cmd", "bench_cmd",
-            "convert_cmd", "serve_cmd", "loadgen_cmd",
+COMMANDS = ("fetch_cmd", "decompose_cmd", "plan_cmd", "eval_cmd", "choice_cmd", "generate_cmd", "demo_cmd",
+            "bench_cmd", "convert_cmd", "serve_cmd", "loadgen_cmd",
             "heal_cmd")
 
 

@@ -33,6 +33,10 @@ and one all-gather, gate/up another).
   a floor keeps every matrix from collapsing (see docs/DECOMPOSITION.md for what it gains on
   SmolLM2).
 
+* Fisher (decompose/fisher_allocation.py): one budget for every kind, the truncation losses
+  weighted by each matrix's measured end-to-end sensitivity; it starts from this module's greedy
+  in one pool (``one_pool``) and searches the set of dense blocks.
+
 ``ALLOCATOR_VERSION`` is recorded in every decomposed folder's manifest; caches of decomposed
 models (the demo's) are rebuilt when it changes.
 """
@@ -40,7 +44,7 @@ models (the demo's) are rebuilt when it changes.
 from __future__ import annotations
 
 import heapq
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -122,26 +126,33 @@ def matrix_kind(name: str) -> str:
     return name
 
 
+def one_pool(name: str) -> str:
+    """Every matrix draws on one budget (``fisher_ranks``)."""
+    return "all"
+
+
 def variadic_ranks(
     losses: Mapping[str, torch.Tensor],
     shapes: Shapes,
     ratio: float,
     groups: Sequence[Sequence[str]] | None = None,
+    pool: Callable[[str], str] = matrix_kind,
 ) -> dict[str, int]:
     """Ranks under the uniform rule's parameter budget, allocated greedily by truncation loss,
     with "dense" as one more move per block. Matrices of dense blocks are absent from the result.
 
     Args:
         losses: per matrix, ``loss[k]`` = error of keeping rank k (k = 0..min(m, n)),
-            non-increasing, comparable across the matrices of one kind.
+            non-increasing, comparable across the matrices of one pool.
         shapes: per matrix, (out, in).
-        ratio: fraction of the linear parameters kept; each kind's budget is the parameters its
+        ratio: fraction of the linear parameters kept; each pool's budget is the parameters its
             matrices would hold at their uniform ranks.
         groups: the blocks (each decomposed or dense as a whole); default: each matrix alone.
+        pool: the budget a matrix draws on — its kind (default), or ``one_pool``.
     """
     check_ratio(ratio)
     groups = [tuple(b) for b in groups] if groups is not None else [(n,) for n in losses]
-    state = _Greedy(losses, shapes, ratio, groups)
+    state = _Greedy(losses, shapes, ratio, groups, pool)
     state.fill()
     state.swap_in_dense_blocks()
     state.fill()  # what the swaps left over
@@ -159,13 +170,13 @@ class _Greedy:
     """
 
     def __init__(self, losses: Mapping[str, torch.Tensor], shapes: Shapes, ratio: float,
-                 groups: list[tuple[str, ...]]) -> None:
+                 groups: list[tuple[str, ...]], pool: Callable[[str], str] = matrix_kind) -> None:
         names = list(losses)
         self.groups = groups
         self.block_of = {n: i for i, b in enumerate(groups) for n in b}
         if set(self.block_of) != set(names):
             raise ValueError("variadic_ranks: the blocks must cover exactly the matrices that have losses")
-        self.kind = {n: matrix_kind(n) for n in names}
+        self.kind = {n: pool(n) for n in names}  # the budget each matrix draws on
         self.cost = {n: sum(shapes[n]) for n in names}
         self.dense_cost = {n: shapes[n][0] * shapes[n][1] for n in names}
         self.ceiling = {n: factor_ceiling(*shapes[n]) for n in names}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -28,21 +28,31 @@ class StopForward(Exception):
 
 
 class InputStats:
-    """Running ``XᵀX`` and ``Σ|x|`` of one linear layer's input.
+    """Running ``XᵀX`` and ``Σ|x|`` of one linear layer's input — and, given the dense model's
+    inputs at the same tokens (``reference``: one tensor per batch, in the order the batches
+    come), the cross term ``X_dᵀX`` the parameter update fits against (decompose/update.py).
 
     Each batch's product is computed in float32 (the GEMM dominates calibration time) and
     accumulated in float64, so rounding does not grow with the number of batches."""
 
-    def __init__(self, features: int) -> None:
+    def __init__(self, features: int, reference: Sequence[torch.Tensor] | None = None) -> None:
         self.gram = torch.zeros(features, features, dtype=torch.float64)
         self.abs_sum = torch.zeros(features, dtype=torch.float64)
         self.rows = 0
+        self.reference = reference
+        self.cross = None if reference is None else torch.zeros(features, features, dtype=torch.float64)
+        self._batches = 0
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
         self.gram += (x.T @ x).double()
         self.abs_sum += x.abs().sum(0, dtype=torch.float64)
         self.rows += x.shape[0]
+        if self.reference is not None and self.cross is not None:
+            dense = self.reference[self._batches].reshape(-1, x.shape[-1]).float()
+            assert dense.shape == x.shape, "the dense and the decomposed stream hold the same tokens"
+            self.cross += (dense.T @ x).double()
+        self._batches += 1
 
     @property
     def abs_mean(self) -> torch.Tensor:
@@ -169,10 +179,15 @@ def _module(hf_name: str | None) -> str:
 
 
 @contextmanager
-def capture(linears: dict[str, nn.Linear], stop_after: str | None = None) -> Iterator[dict[str, InputStats]]:
-    """Accumulate the inputs of ``linears`` while the block runs; raise ``StopForward`` after
+def capture(
+    linears: dict[str, nn.Linear], stop_after: str | None = None,
+    references: Mapping[str, Sequence[torch.Tensor]] | None = None,
+) -> Iterator[dict[str, InputStats]]:
+    """Accumulate the inputs of ``linears`` while the block runs (and their cross terms with
+    ``references``, the dense model's inputs per batch); raise ``StopForward`` after
     ``stop_after``'s input is recorded (callers catch it)."""
-    stats = {name: InputStats(lin.in_features) for name, lin in linears.items()}
+    references = references or {}
+    stats = {name: InputStats(lin.in_features, references.get(name)) for name, lin in linears.items()}
     handles = []
     for name, lin in linears.items():
         def hook(_mod: nn.Module, args: tuple, name: str = name) -> None:
@@ -194,12 +209,35 @@ def collect(
     hidden: Sequence[torch.Tensor],
     linears: dict[str, nn.Linear],
     stop_after: str | None = None,
+    references: Mapping[str, Sequence[torch.Tensor]] | None = None,
 ) -> dict[str, InputStats]:
     """Run layer ``index`` over every stored batch and return the input statistics."""
-    with capture(linears, stop_after) as stats, torch.no_grad():
+    with capture(linears, stop_after, references) as stats, torch.no_grad():
         for h in hidden:
             try:
                 runner.run_layer(index, h)
             except StopForward:
                 pass
     return stats
+
+
+def record_inputs(
+    runner: LayerRunner, index: int, hidden: Sequence[torch.Tensor], linears: dict[str, nn.Linear]
+) -> tuple[dict[str, list[torch.Tensor]], list[torch.Tensor]]:
+    """Run layer ``index`` over every stored batch, keeping the inputs of ``linears`` as they
+    are (one tensor per batch) and the layer's outputs: the dense model's side of the update's
+    cross terms, and its next layer's input."""
+    kept: dict[str, list[torch.Tensor]] = {name: [] for name in linears}
+    handles = []
+    for name, lin in linears.items():
+        def hook(_mod: nn.Module, args: tuple, name: str = name) -> None:
+            kept[name].append(args[0].detach().float().clone())
+
+        handles.append(lin.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            outputs = [runner.run_layer(index, h) for h in hidden]
+    finally:
+        for h in handles:
+            h.remove()
+    return kept, outputs

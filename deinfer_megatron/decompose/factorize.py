@@ -57,6 +57,16 @@ class Scaling:
             return v @ self.s_inv
         return torch.linalg.solve_triangular(self.s, v, upper=False, left=False)  # X·S = V
 
+    def undo_transposed(self, t: torch.Tensor) -> torch.Tensor:
+        """``t·S⁻ᵀ`` (for a Cholesky factor: a triangular solve against Sᵀ)."""
+        if self.s is None:
+            return t
+        if self.s.dim() == 1:
+            return t / self.s
+        if self.s_inv is not None:
+            return t @ self.s_inv.T
+        return torch.linalg.solve_triangular(self.s.T, t, upper=True, left=False)  # X·Sᵀ = T
+
 
 def whitening(gram: torch.Tensor, max_tries: int = 6) -> Scaling:
     """S with ``S Sᵀ = XᵀX``: the lower-triangular Cholesky factor when possible."""

@@ -15,6 +15,7 @@ from deinfer_megatron.checkpoints.folder import RANK_CONFIG, is_project_folder, 
 from deinfer_megatron.decompose.allocation import ALLOCATOR_VERSION, check_ratio, layer_of, uniform_ranks
 from deinfer_megatron.decompose.calibration import self_dialogues, self_samples, text_windows
 from deinfer_megatron.decompose.run import Plan, decompose_model, decomposed_state, nothing_to_decompose
+from deinfer_megatron.decompose.update import UPDATE_DAMP, UPDATES
 from deinfer_megatron.files.staging import claim_output
 from deinfer_megatron.files.text import read_text
 from deinfer_megatron.arch.model import ModelArch, arch_from_hf_config, load_arch
@@ -27,6 +28,7 @@ from deinfer_megatron.specs.rank_config import RankConfig
 
 log = logging.getLogger(__name__)
 METHODS = ("svd", "asvd", "svd-llm")
+ALLOCATIONS = ("uniform", "variadic", "fisher")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,8 @@ class DecomposeJob:
     seed: int = 0
     asvd_alpha: float = 1.0
     overwrite: bool = False
+    update: str = "none"
+    update_damp: float = UPDATE_DAMP
 
 
 def parse_layers(spec: str, num_layers: int) -> frozenset[int]:
@@ -108,7 +112,8 @@ def _check_finite(model: Any, source: Path) -> None:
 
 
 def _calibration(job: DecomposeJob, model: Any, tokenizer_dir: Path | None, arch: ModelArch) -> tuple[torch.Tensor | None, dict]:
-    needs_data = job.method != "svd" or (job.allocation == "variadic" and job.rank_config is None)
+    needs_data = (job.method != "svd" or job.update != "none"
+                  or (job.allocation in ("variadic", "fisher") and job.rank_config is None))
     if not needs_data:
         return None, {"source": "none"}
     if job.calib_text is not None:
@@ -128,7 +133,7 @@ def _calibration(job: DecomposeJob, model: Any, tokenizer_dir: Path | None, arch
         else:
             raise ValueError("the model has neither a chat template nor a bos_token_id to sample from; use --calib-text")
         return ids, {"source": f"{kind}:{job.calib_self}", "tokens": ids.numel(), "seq_len": job.calib_seq_len}
-    if job.method == "svd":
+    if job.method == "svd" and job.update == "none" and job.allocation != "fisher":
         return None, {"source": "none"}  # variadic svd ranks from plain singular values
     raise ValueError(f"{job.method} needs calibration data: pass --calib-text FILE or --calib-self N")
 
@@ -152,12 +157,26 @@ def _validate(job: DecomposeJob) -> None:
         check_ratio(job.ratio)
     if job.rank_config is not None and job.layers is not None:
         raise ValueError("--layers selects layers for --ratio; a --rank-config already lists its modules")
-    if job.allocation not in ("uniform", "variadic"):
-        raise ValueError(f"unknown --allocation {job.allocation!r}; choose uniform or variadic")
+    if job.allocation not in ALLOCATIONS:
+        raise ValueError(f"unknown --allocation {job.allocation!r}; choose one of {', '.join(ALLOCATIONS)}")
+    if job.update not in UPDATES:
+        raise ValueError(f"unknown --update {job.update!r}; choose one of {', '.join(UPDATES)}")
     if job.calib_text is not None and job.calib_self is not None:
         raise ValueError("give at most one of --calib-text and --calib-self")
-    if job.method != "svd" and job.calib_text is None and job.calib_self is None:
-        raise ValueError(f"{job.method} needs calibration data: pass --calib-text FILE or --calib-self N")
+    if job.calib_text is None and job.calib_self is None:
+        if job.method != "svd":
+            raise ValueError(f"{job.method} needs calibration data: pass --calib-text FILE or --calib-self N")
+        if job.update != "none":
+            raise ValueError(f"--update {job.update} fits the factors to calibration data: "
+                             "pass --calib-text FILE or --calib-self N, or --update none")
+        if job.allocation == "fisher" and job.rank_config is None:
+            raise ValueError("--allocation fisher measures each matrix's sensitivity on calibration data: "
+                             "pass --calib-text FILE or --calib-self N, or use --allocation variadic")
+    if job.calib_self is not None and job.calib_self < 1:
+        raise ValueError(f"--calib-self must be at least 1 sequence, got {job.calib_self}")
+    if not job.update_damp >= 0:  # NaN fails too
+        raise ValueError(f"--update-damp must be a number ≥ 0 (a fraction of the mean diagonal of XᵀX), "
+                         f"got {job.update_damp}")
     if job.asvd_alpha <= 0:
         raise ValueError(f"--asvd-alpha must be > 0, got {job.asvd_alpha}")
     if job.calib_tokens < job.calib_seq_len:
@@ -182,6 +201,8 @@ def _validate(job: DecomposeJob) -> None:
 
 def default_out(job: DecomposeJob) -> Path:
     tag = f"r{job.ratio:g}-{job.allocation}" if job.ratio is not None else job.rank_config.stem
+    if job.update != "none":
+        tag += f"-{job.update}-update"
     return job.model.parent / f"{job.model.name}-{job.method}-{tag}"
 
 
@@ -195,7 +216,8 @@ def run_decompose(job: DecomposeJob) -> Path:
     explicit = RankConfig.load(job.rank_config, arch).modules if job.rank_config else None
     layers = parse_layers(job.layers, arch.num_layers) if job.layers else frozenset(range(arch.num_layers))
     calib, calib_info = _calibration(job, model, tokenizer_dir, arch)
-    plan = Plan(job.method, explicit, job.ratio, job.allocation, layers, job.sequential, job.asvd_alpha)
+    plan = Plan(job.method, explicit, job.ratio, job.allocation, layers, job.sequential, job.asvd_alpha, job.update,
+                job.update_damp)
     ranks, factors = decompose_model(model, arch, plan, calib)
     rank_config = RankConfig.from_mapping(ranks, arch)
     tensors = decomposed_state(model, factors, arch.tied_embeddings)
@@ -221,6 +243,8 @@ def run_decompose(job: DecomposeJob) -> Path:
             "ratio": job.ratio,
             "allocation": job.allocation if job.rank_config is None else "rank-config",
             "sequential": job.sequential,
+            "update": job.update,
+            **({"update_damp": job.update_damp} if job.update != "none" else {}),
             **({"asvd_alpha": job.asvd_alpha} if job.method == "asvd" else {}),
             "calibration": calib_info,
             "layers": sorted(layers),

@@ -7,10 +7,16 @@ earlier layers — so that errors do not compound unseen; (2) each matrix is fac
 chosen method at its rank; (3) the decomposed layer produces the next layer's input.
 ``sequential=False`` instead takes every statistic from the dense model (one-shot).
 
-Ranks come from a rank config, or from ``ratio`` with the uniform or variadic rule; the
-variadic rule first measures every matrix's truncation loss on the dense model. Either rule
-may keep whole blocks dense (decompose/allocation.py): their matrices are neither factorised
-nor changed, and are written as their original ``.weight``.
+Ranks come from a rank config, or from ``ratio`` with the uniform, variadic or fisher rule;
+the variadic and fisher rules first measure every matrix's truncation loss on the dense model
+(fisher also each matrix's end-to-end sensitivity, decompose/sensitivity.py). Every rule may
+keep whole blocks dense (decompose/allocation.py): their matrices are neither factorised nor
+changed, and are written as their original ``.weight``.
+
+``update="sequential"`` refits each matrix's factors after its truncation (U, then V: closed-form
+least squares against the dense model's output, decompose/update.py). For that the dense model's
+own stream of hidden states runs beside the decomposed one, layer by layer, and the inputs each
+group of matrices reads there are kept for the layer's duration (one tensor per batch).
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ from torch import nn
 from tqdm import tqdm
 
 from deinfer_megatron.decompose.allocation import BREAK_EVEN_FRACTION, blocks, layer_of, uniform_allocation, variadic_ranks
-from deinfer_megatron.decompose.calibration import InputStats, LayerRunner, capture, collect
+from deinfer_megatron.decompose.calibration import InputStats, LayerRunner, capture, collect, record_inputs
+from deinfer_megatron.decompose.fisher_allocation import fisher_ranks
 from deinfer_megatron.decompose.factorize import ASVD_ALPHA, Scaling, prepare, scaling, spectrum, truncation_loss
+from deinfer_megatron.decompose.sensitivity import output_fisher
+from deinfer_megatron.decompose.update import UPDATE_DAMP, Regression
 from deinfer_megatron.arch.model import ModelArch
 
 log = logging.getLogger(__name__)
@@ -38,10 +47,12 @@ class Plan:
     method: str  # "svd" | "asvd" | "svd-llm"
     ranks: Mapping[str, int] | None  # explicit ranks, or None to allocate from ratio
     ratio: float | None
-    allocation: str  # "uniform" | "variadic"
+    allocation: str  # "uniform" | "variadic" | "fisher"
     layers: frozenset[int]  # layers whose matrices are decomposed (with ratio)
     sequential: bool = True
     asvd_alpha: float = ASVD_ALPHA
+    update: str = "none"  # "none" | "sequential" (decompose/update.py)
+    update_damp: float = UPDATE_DAMP  # the update's λ, a fraction of mean(diag(XᵀX))
 
 
 def _groups(arch: ModelArch, layer: int) -> list[list[str]]:
@@ -70,36 +81,51 @@ def _layer_stats(
     return {name: stats[g[0]] for g in groups for name in g}, outputs
 
 
+@dataclass
+class Curves:
+    """Truncation-loss curves on the dense model (one-shot statistics): ``losses[name][k]`` the
+    (scaled) output error of keeping rank k, ``energy[layer]`` the mean squared norm of the
+    residual stream entering the layer (1 without data)."""
+
+    losses: dict[str, torch.Tensor]
+    energy: dict[int, float]
+
+
 def measure_losses(
     model: nn.Module, arch: ModelArch, method: str, targets: Iterable[str], hidden: list[torch.Tensor] | None,
     alpha: float = ASVD_ALPHA,
-) -> dict[str, torch.Tensor]:
-    """Truncation-loss curves of every target matrix on the dense model (one-shot statistics),
-    each divided by the mean squared norm of the residual stream entering its layer, so that
-    curves of different layers can be compared (without data: the plain spectra)."""
+) -> Curves:
+    """Truncation-loss curves of every target matrix on the dense model (without data: the
+    plain spectra), and the energy of the residual stream entering each layer."""
     modules = dict(model.named_modules())
     targets = set(targets)
     runner = LayerRunner(model) if hidden is not None else None
-    losses: dict[str, torch.Tensor] = {}
+    curves = Curves({}, {})
     for layer in tqdm(range(arch.num_layers), desc="measuring spectra", leave=False):
         groups = [g for g in _groups(arch, layer) if g[0] in targets]
         stats: dict[str, InputStats] = {}
-        energy = 1.0
+        curves.energy[layer] = 1.0
         if runner is not None and hidden is not None:
-            energy = sum(h.double().pow(2).sum().item() for h in hidden) / sum(h[..., 0].numel() for h in hidden)
+            tokens = sum(h[..., 0].numel() for h in hidden)
+            curves.energy[layer] = sum(h.double().pow(2).sum().item() for h in hidden) / tokens
             stats, hidden = _layer_stats(runner, layer, hidden, _groups(arch, layer), modules)
         for group in groups:
             scale = _scaling(method, stats.get(group[0]), alpha)
             for name in group:
-                losses[name] = truncation_loss(spectrum(modules[name].weight, scale)) / energy
-    return losses
+                curves.losses[name] = truncation_loss(spectrum(modules[name].weight, scale))
+    return curves
 
 
-def allocate(plan: Plan, arch: ModelArch, losses: Callable[[], dict[str, torch.Tensor]]) -> dict[str, int]:
+def allocate(
+    plan: Plan, arch: ModelArch, curves: Callable[[], Curves],
+    sensitivity: Callable[[list[str]], dict[str, float]] | None = None,
+) -> dict[str, int]:
     """The rank of every matrix to decompose; matrices of blocks kept dense are absent.
 
-    Explicit ranks (a rank config) are taken as given, even at break-even: the user chose them
-    (a full-rank decomposition is how losslessness is checked)."""
+    ``variadic`` compares curves divided by their layer's residual energy, per kind of matrix;
+    ``fisher`` the raw curves times each matrix's sensitivity (``sensitivity(names)``), in one
+    budget. Explicit ranks (a rank config) are taken as given, even at break-even: the user
+    chose them (a full-rank decomposition is how losslessness is checked)."""
     if plan.ranks is not None:
         return dict(plan.ranks)
     assert plan.ratio is not None, "a plan without ranks has a ratio"
@@ -107,7 +133,12 @@ def allocate(plan: Plan, arch: ModelArch, losses: Callable[[], dict[str, torch.T
     groups = blocks(arch, shapes)
     if plan.allocation == "uniform":
         return uniform_allocation(shapes, groups, plan.ratio)
-    return variadic_ranks(losses(), shapes, plan.ratio, groups)
+    measured = curves()
+    if plan.allocation == "fisher":
+        assert sensitivity is not None, "the fisher allocation needs calibration data (checked by the job)"
+        return fisher_ranks(measured.losses, sensitivity(list(shapes)), shapes, plan.ratio, groups)
+    scaled = {n: c / measured.energy[layer_of(arch, n)] for n, c in measured.losses.items()}
+    return variadic_ranks(scaled, shapes, plan.ratio, groups)
 
 
 def decompose_model(
@@ -120,30 +151,45 @@ def decompose_model(
     """
     runner = LayerRunner(model) if calib is not None else None
     embed = (lambda: [runner.embed(c) for c in calib.split(batch)]) if runner else (lambda: None)
+    sensitivity = (lambda names: output_fisher(model, calib, names)) if calib is not None else None
     with torch.no_grad():
         ranks = allocate(
             plan, arch,
             lambda: measure_losses(model, arch, plan.method, _targets(arch, plan), embed(), plan.asvd_alpha),
+            sensitivity,
         )
         if not ranks:
             raise ValueError(nothing_to_decompose(plan.ratio))
         hidden = embed()
+    if plan.update != "none" and hidden is None:
+        raise ValueError(f"--update {plan.update} needs calibration data: pass --calib-text FILE or --calib-self N")
+    # the dense model's stream beside the decomposed one: the update's targets (sequential only;
+    # one-shot statistics come from the dense model already)
+    reference = list(hidden) if plan.update != "none" and plan.sequential and hidden is not None else None
     modules = dict(model.named_modules())
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for layer in tqdm(range(arch.num_layers), desc=f"decomposing ({plan.method})"):
         groups = [g for g in _groups(arch, layer) if g[0] in ranks]
         one_shot: dict[str, InputStats] = {}
+        dense_inputs: dict[str, list[torch.Tensor]] = {}
         if runner is not None and hidden is not None and not plan.sequential:
             one_shot, next_hidden = _layer_stats(runner, layer, hidden, _groups(arch, layer), modules)
+        if runner is not None and reference is not None:  # before the layer changes
+            dense_inputs, reference = record_inputs(runner, layer, reference, {g[0]: modules[g[0]] for g in groups})
         for group in groups:
             stats = one_shot.get(group[0])
             if runner is not None and hidden is not None and plan.sequential:
                 first = group[0]
-                stats = collect(runner, layer, hidden, {first: modules[first]}, stop_after=first)[first]
+                refs = {first: dense_inputs[first]} if dense_inputs else None
+                stats = collect(runner, layer, hidden, {first: modules[first]}, stop_after=first, references=refs)[first]
             scale = _scaling(plan.method, stats, plan.asvd_alpha)
+            regression = _regression(plan, scale, stats)
             for name in group:
                 lin = modules[name]
-                u, v = prepare(lin.weight, scale).factors(ranks[name], dtype=lin.weight.dtype)
+                u, v = prepare(lin.weight, scale).factors(ranks[name], dtype=torch.float64)
+                if regression is not None:
+                    u, v = regression.sequential(lin.weight, u, v)
+                u, v = u.to(lin.weight.dtype).contiguous(), v.to(lin.weight.dtype).contiguous()
                 factors[name] = (u, v)
                 with torch.no_grad():
                     lin.weight.copy_(u @ v)
@@ -154,6 +200,17 @@ def decompose_model(
             else:
                 hidden = next_hidden
     return ranks, factors
+
+
+def _regression(plan: Plan, scale: Scaling, stats: InputStats | None) -> Regression | None:
+    """The update's statistics of one input (None without ``--update``); undamped svd-llm reuses
+    its own whitening, every other case whitens the damped Gram matrix for the update."""
+    if plan.update == "none":
+        return None
+    assert stats is not None, "the update runs on calibration statistics (checked before)"
+    if plan.method == "svd-llm" and plan.update_damp == 0:
+        return Regression(scale, stats.cross)
+    return Regression.of(stats.gram, stats.cross, plan.update_damp)
 
 
 def nothing_to_decompose(ratio: float | None) -> str:

@@ -8,7 +8,10 @@ import json
 import subprocess
 import sys
 
-from deinfer_megatron.cli.demo_cmd import DEMO_MODEL, DEMO_RATIO, LayoutParity, parity_table
+import pytest
+
+from deinfer_megatron.cli.demo_cmd import (DEMO_MODEL, DEMO_RATIO, SMOLLM2_ALLOCATION, SMOLLM2_RATIOS, SMOLLM2_UPDATE,
+                                           DemoConfig, LayoutParity, cache_is_current, demo_folder, parity_table)
 from deinfer_megatron.decompose.allocation import uniform_ranks
 from deinfer_megatron.models.synthetic import synthetic_arch
 from deinfer_megatron.planning.plan import make_plan
@@ -54,7 +57,6 @@ def test_the_printed_table_says_what_the_comparisons_say() -> None:
 
 
 def test_a_cache_from_the_older_allocator_is_not_reused(tmp_path) -> None:
-    from deinfer_megatron.cli.demo_cmd import cache_is_current
     from deinfer_megatron.decompose.allocation import ALLOCATOR_VERSION
 
     manifest = tmp_path / "deinfer_manifest.json"
@@ -65,5 +67,58 @@ def test_a_cache_from_the_older_allocator_is_not_reused(tmp_path) -> None:
     assert not cache_is_current(manifest)
     manifest.write_text("{not json")
     assert not cache_is_current(manifest)
-    manifest.write_text(json.dumps({"allocator": ALLOCATOR_VERSION}))
-    assert cache_is_current(manifest)
+    demo = {"allocator": ALLOCATOR_VERSION, "ratio": 0.8, "allocation": SMOLLM2_ALLOCATION, "update": SMOLLM2_UPDATE}
+    manifest.write_text(json.dumps(demo))
+    assert cache_is_current(manifest) and cache_is_current(manifest, 0.8)
+    assert not cache_is_current(manifest, 0.6), "the 0.8 folder is not the 0.6 demo's"
+    other_allocation = "uniform" if SMOLLM2_ALLOCATION != "uniform" else "variadic"
+    manifest.write_text(json.dumps({**demo, "allocation": other_allocation}))
+    assert not cache_is_current(manifest), "made with another allocation: decomposed again"
+    other_update = "sequential" if SMOLLM2_UPDATE == "none" else "none"
+    manifest.write_text(json.dumps({**demo, "update": other_update}))
+    assert not cache_is_current(manifest), "made with another update: decomposed again"
+
+
+def test_the_ratio_option_picks_an_operating_point(tmp_path, monkeypatch) -> None:
+    from deinfer_megatron.cli.main import build_parser
+
+    def config(*argv: str) -> DemoConfig:
+        args = build_parser().parse_args(["demo", *argv])
+        return args.make_config(args)
+
+    assert SMOLLM2_RATIOS == (0.8, 0.6)
+    assert config() == DemoConfig(tp=3, ratio=0.8)
+    assert config("--ratio", "0.6") == DemoConfig(tp=3, ratio=0.6)
+    assert config("--ratio", "0.60", "--tp", "1").ratio == 0.6
+    assert config("--layouts") == DemoConfig(tp=2, layouts=True)
+    with pytest.raises(ValueError, match=r"--ratio 0.7 is not one of the demo's measured operating points; use 0.8 or 0.6"):
+        config("--ratio", "0.7")
+    with pytest.raises(ValueError, match="--ratio applies to the SmolLM2 demo"):
+        config("--layouts", "--ratio", "0.6")
+    monkeypatch.setenv("DEINFER_MEGATRON_CACHE", str(tmp_path))
+    assert demo_folder(0.8) == tmp_path / "smollm2-135m-svd-llm-r0.8-self"  # the cache earlier demos made
+    assert demo_folder(0.6) == tmp_path / "smollm2-135m-svd-llm-r0.6-self"
+
+
+def test_the_demo_decomposes_with_the_recommended_options(tmp_path, monkeypatch) -> None:
+    """docs/DECOMPOSITION.md's held-out table recommends --allocation fisher, no update, for both
+    operating points; the demo's decomposition is asked for exactly that, into its own folder."""
+    from deinfer_megatron.cli import demo_cmd
+
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def record(job):
+        asked.append(job)
+        raise Stop
+
+    monkeypatch.setenv("DEINFER_MEGATRON_CACHE", str(tmp_path))
+    monkeypatch.setattr(demo_cmd, "fetch_model", lambda name: tmp_path / name)
+    monkeypatch.setattr(demo_cmd, "run_decompose", record)
+    for ratio in SMOLLM2_RATIOS:
+        with pytest.raises(Stop):
+            demo_cmd.smollm2_demo(DemoConfig(ratio=ratio))
+    assert [(j.method, j.ratio, j.allocation, j.update, j.calib_self, j.calib_seq_len, j.out) for j in asked] == [
+        ("svd-llm", r, "fisher", "none", 16, 256, tmp_path / f"smollm2-135m-svd-llm-r{r}-self") for r in SMOLLM2_RATIOS]

@@ -96,6 +96,10 @@ def test_folder_contents_and_integrity_checks(tmp_path: Path) -> None:
         (dict(method="svd", ratio=0.5, layers="0-9"), r"--layers '0-9' names layers outside 0\.\.3"),
         (dict(method="svd"), r"exactly one of --ratio R or --rank-config"),
         (dict(method="svd", ratio=1.0), r"--ratio 1 keeps every block dense .* use a lower --ratio"),
+        (dict(method="svd", ratio=0.5, update="sequential"), r"--update sequential fits the factors to calibration"),
+        (dict(method="svd", ratio=0.5, allocation="fisher"), r"--allocation fisher measures .* on calibration data"),
+        (dict(method="svd", ratio=0.5, allocation="greedy"), r"unknown --allocation 'greedy'; choose one of uniform"),
+        (dict(method="svd", ratio=0.5, update="twice"), r"unknown --update 'twice'; choose one of none, sequential"),
     ],
 )
 def test_bad_decompose_inputs(job_kwargs: dict, message: str, tmp_path: Path) -> None:

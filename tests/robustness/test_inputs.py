@@ -130,6 +130,16 @@ def test_decompose_options(models, tmp_path, capfd) -> None:
         capfd, *base, "--method", "svd", "--rank-config", ranks)
     assert "is already decomposed" in cli_error(
         capfd, "decompose", "--model", models.decomposed, "--method", "svd", "--ratio", "0.5", "--out", tmp_path / "o2")
+    line = cli_error(capfd, *base, "--method", "svd", "--ratio", "0.5", "--update", "sequential")
+    assert "--update sequential fits the factors to calibration data: pass --calib-text" in line
+    line = cli_error(capfd, *base, "--method", "svd", "--ratio", "0.5", "--allocation", "fisher")
+    assert "--allocation fisher measures each matrix's sensitivity on calibration data" in line
+    for bad in ("-0.1", "nan"):
+        line = cli_error(capfd, *base, "--method", "svd-llm", "--ratio", "0.5", "--calib-self", "1",
+                         "--update", "sequential", "--update-damp", bad)
+        assert f"--update-damp must be a number ≥ 0 (a fraction of the mean diagonal of XᵀX), got {bad}" in line
+    line = cli_error(capfd, *base, "--method", "svd-llm", "--ratio", "0.5", "--calib-self", "0")
+    assert "--calib-self must be at least 1 sequence, got 0" in line
     assert not (tmp_path / "o").exists() and not (tmp_path / "o2").exists()
 
 
@@ -179,3 +189,14 @@ def test_unknown_dtype_is_refused_by_the_parser(models, tmp_path, capfd, command
         errors = [line for line in capfd.readouterr().err.splitlines() if "error" in line]
         assert len(errors) == 1 and "Traceback" not in errors[0], errors
         assert f"argument --dtype: unknown dtype {bad!r}; choose one of float32, bfloat16" in errors[0], errors
+
+
+def test_demo_ratio(capfd) -> None:
+    """The SmolLM2 demo's two operating points; anything else is refused before anything is fetched."""
+    assert "--ratio 0.7 is not one of the demo's measured operating points; use 0.8 or 0.6" in cli_error(
+        capfd, "demo", "--ratio", "0.7")
+    assert "--ratio 1.0 is not one of the demo's" in cli_error(capfd, "demo", "--ratio", "1")
+    with pytest.raises(SystemExit) as exit_:  # argparse's own one-line refusal
+        run(["demo", "--ratio", "x"])
+    assert exit_.value.code == 2 and "argument --ratio: invalid float value: 'x'" in capfd.readouterr().err
+    assert "--ratio applies to the SmolLM2 demo" in cli_error(capfd, "demo", "--layouts", "--ratio", "0.6")
