@@ -16,6 +16,7 @@ from deinfer_megatron.generation.options import CacheOptions
 from deinfer_megatron.launch.env import detect
 from deinfer_megatron.launch.external import LAUNCHERS, run_under_launcher
 from deinfer_megatron.layers.kv_cache import CacheKind
+from deinfer_megatron.planning.request import LayoutRequest
 from deinfer_megatron.runtime.options import DType, Engine, Parallelism
 from deinfer_megatron.serving.blocks import DEFAULT_BLOCK_SIZE
 from deinfer_megatron.serving.scheduler import DEFAULT_PREFILL_CHUNK
@@ -34,25 +35,15 @@ class ServeConfig:
     rerun_argv: tuple[str, ...] = ()
 
 
-def _served_layout(text: str) -> Layout:
-    """A ``--layout`` the server can run: each request's slot keeps its own positions in the
-    decomposed attention, which the dense layout (Megatron's attention) does not have."""
-    layout = Layout.parse(text)
-    if layout.multiplies_out:
-        raise ValueError(f"serve runs the factored layouts ({', '.join(l.value for l in Layout if not l.multiplies_out)}), "
-                         f"not {layout.value}: each request keeps its own positions in the decomposed attention")
-    return layout
-
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve a decomposed model over an OpenAI-compatible HTTP API")
-    p.add_argument("--model", type=Path, required=True, help="decomposed model folder")
+    p = sub.add_parser("serve", help="serve a model (decomposed or dense) over an OpenAI-compatible HTTP API")
+    p.add_argument("--model", type=Path, required=True, help="model folder (decomposed, or dense)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--layout", type=parsed_by(_served_layout), default=Layout.DEINFER,
-                   choices=[l.value for l in Layout if not l.multiplies_out],
-                   help="deinfer (default) or naive for every block; not auto, which prices one batch and "
-                        "context while the server's batch changes every step")
+    p.add_argument("--layout", type=parsed_by(LayoutRequest.parse), default=LayoutRequest(Layout.DEINFER),
+                   metavar="{" + ",".join(names(Layout)) + "}",
+                   help="deinfer (default), naive or dense (the factors multiplied out) for every block; not auto, "
+                        "which prices one batch and context while the server's batch changes every step")
     p.add_argument("--kv-cache", type=parsed_by(CacheKind.parse), choices=names(CacheKind), default=CacheKind.FULL)
     p.add_argument("--no-absorb", dest="absorb", action="store_false",
                    help="latent cache: rebuild V instead of absorbing U_v after attention")

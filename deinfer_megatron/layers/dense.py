@@ -2,7 +2,8 @@
 counted comm.
 
 Dense layers (the dense baseline, and the layers a rank config leaves undecomposed) are
-Megatron's own ``SelfAttention``/``MLP`` with two subclasses of Megatron's linears whose only
+Megatron's own ``SelfAttention``/``MLP`` — the attention as ``PagedSelfAttention``, which adds the
+server's paged KV pool — with two subclasses of Megatron's linears whose only
 change is that their collectives are issued by ``deinfer_megatron.parallel.comm`` — so that they
 are counted like every other collective — with Megatron's autograd semantics kept: the row
 linear's all-reduce of its output (backward: identity) and the column linear's
@@ -23,9 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention
 
-from deinfer_megatron.layers.core_attention import MEGATRON
+from deinfer_megatron.layers.core_attention import MEGATRON, SdpaCoreAttention
 from deinfer_megatron.layers.costs import Attend, Collective, Cost, Gemm, issued
+from deinfer_megatron.layers.paged_cache import PagedContext, paged_dense_attention
 from deinfer_megatron.parallel import comm
 from deinfer_megatron.parallel.topology import TPView, balanced_split, unit_split
 
@@ -80,6 +83,42 @@ class CountedRowParallelLinear(RowParallelLinear):
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None
+
+
+class PagedSelfAttention(SelfAttention):
+    """Megatron's ``SelfAttention`` (parameters, sharding, forward and its static and dynamic
+    inference paths unchanged) that also runs under the server's ``PagedContext``, where every
+    token has its own sequence, position and KV block: ``paged_cache.paged_dense_attention``.
+
+    A decomposed model keeps some attention blocks dense (an allocation that finds a block's
+    factors no smaller than its matrices, the dense layout); without this the server could not
+    run it. ``paged_core`` attends over this rank's heads and holds no parameters, so checkpoints
+    are Megatron's."""
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.paged_core = SdpaCoreAttention(
+            config, self.layer_number, num_heads=self.num_attention_heads_per_partition,
+            num_kv_heads=self.num_query_groups_per_partition, head_dim=self.hidden_size_per_attention_head)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        key_value_states: torch.Tensor | None = None,
+        inference_context: Any = None,
+        rotary_pos_emb: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        *args: Any,
+        inference_params: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        context = inference_context if inference_context is not None else inference_params
+        if isinstance(context, PagedContext):
+            if key_value_states is not None:
+                raise NotImplementedError("cross-attention is not supported under a PagedContext")
+            return paged_dense_attention(self, hidden_states, context, rotary_pos_emb)
+        return super().forward(hidden_states, attention_mask, key_value_states, inference_context, rotary_pos_emb,
+                               *args, inference_params=inference_params, **kwargs)
 
 
 def dense_attention_cost(config: Any, tp: TPView, *, rotary: bool) -> Cost:

@@ -21,7 +21,10 @@ before the output layer.
 Both cache kinds keep their shapes: ``full`` stores K (after RoPE) and V of the rank's heads,
 ``latent`` the pre-RoPE rank-r latents ``c_k``, ``c_v``, from which K is rebuilt per step
 (RoPE at each key's position) and, for single-token rows, ``U_v`` is absorbed after attention.
-``paged_attention`` is the forward of ``FactoredSelfAttention`` under a ``PagedContext``.
+``paged_attention`` is the forward of ``FactoredSelfAttention`` under a ``PagedContext``;
+``paged_dense_attention`` that of a block the model keeps dense (Megatron's ``SelfAttention``,
+``layers.dense.PagedSelfAttention``), which stores its heads' K/V under either kind: a dense
+block has no latents.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any, Sequence
 
 import torch
 from megatron.core.inference.contexts.base_context import BaseInferenceContext
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
 from deinfer_megatron.layers.kv_cache import CacheKind
 
@@ -194,44 +198,64 @@ def _freqs_at(emb: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor
     return None if emb is None else emb[:, 0, 0][positions].unsqueeze(2)
 
 
-def _cache(attn: Any, context: PagedContext, kind: CacheKind) -> PagedKVCache:
-    cache = context.key_value_memory_dict.get(attn.layer_number)
+def _cache(context: PagedContext, layer_number: int, shapes: tuple[tuple[int, ...], tuple[int, ...]],
+           dtype: torch.dtype, device: torch.device | str) -> PagedKVCache:
+    """Layer ``layer_number``'s pools in the context, allocated on the layer's first step."""
+    cache = context.key_value_memory_dict.get(layer_number)
     if cache is None:
-        dtype, device = attn.config.params_dtype, attn.linear_qkv_down.weight.device
-        if kind is CacheKind.LATENT:
-            if not getattr(attn.linear_qkv_down, "full_latents", False):
-                raise ValueError("the latent KV cache needs whole latents on every rank (the deinfer "
-                                 "layout); this layout keeps them split over ranks")
-            ranks = attn.linear_qkv_down.section_ranks
-            shapes: tuple = ((ranks[1],), (ranks[2],))
-        else:
-            shapes = ((attn.num_kv_heads, attn.head_dim),) * 2
-        cache = context.key_value_memory_dict[attn.layer_number] = PagedKVCache(context, shapes, dtype, device)
+        cache = context.key_value_memory_dict[layer_number] = PagedKVCache(context, shapes, dtype, device)
     return cache
 
 
-def _attend_group(attn: Any, group: _Group, query: torch.Tensor, cache: PagedKVCache, kind: CacheKind,
-                  k_emb: torch.Tensor | None, absorb: bool) -> torch.Tensor:
-    """Attention of one group: packed queries ``[s, 1, nq, d]`` → ``[s, 1, nq·d]``."""
-    q = query[group.tokens]
-    if group.single:  # one query per row: rows become the batch
-        q = q.transpose(0, 1)
-    stored_a, stored_b = cache.read(group)
-    sq, rows = q.shape[:2]
+def _factored_cache(attn: Any, context: PagedContext, kind: CacheKind) -> PagedKVCache:
+    """A decomposed block's pools: its heads' K/V, or its whole latents (the deinfer layout)."""
     if kind is CacheKind.LATENT:
-        key = attn._rope(attn._project(attn.linear_k_up, stored_a, attn.num_kv_heads),
-                         None if k_emb is None else k_emb[: group.keys])
-        if absorb and group.single:  # P·(U_v C_v) = U_v·(P·C_v), exact
-            latent_v = stored_b.unsqueeze(2).expand(-1, -1, attn.num_kv_heads, -1)
-            z = attn.core_attention.attend(q, key, latent_v, group.mask)
-            z = z.view(sq, rows, attn.num_kv_heads, -1, z.shape[-1])
-            out = attn.linear_v_up.per_unit(z, attn.head_dim).reshape(sq, rows, -1)
-        else:
-            value = attn._project(attn.linear_v_up, stored_b, attn.num_kv_heads)
-            out = attn.core_attention(q, key, value, group.mask)
+        if not getattr(attn.linear_qkv_down, "full_latents", False):
+            raise ValueError("the latent KV cache needs whole latents on every rank (the deinfer "
+                             "layout); this layout keeps them split over ranks")
+        ranks = attn.linear_qkv_down.section_ranks
+        shapes: tuple = ((ranks[1],), (ranks[2],))
     else:
-        out = attn.core_attention(q, stored_a, stored_b, group.mask)
+        shapes = ((attn.num_kv_heads, attn.head_dim),) * 2
+    return _cache(context, attn.layer_number, shapes, attn.config.params_dtype, attn.linear_qkv_down.weight.device)
+
+
+def _group_queries(group: _Group, query: torch.Tensor) -> torch.Tensor:
+    """The group's queries: ``[s, 1, nq, d]`` for a chunk, ``[1, rows, nq, d]`` for single-token
+    rows (the rows become the batch)."""
+    q = query[group.tokens]
+    return q.transpose(0, 1) if group.single else q
+
+
+def _packed(group: _Group, out: torch.Tensor) -> torch.Tensor:
+    """A group's attention output back in packed order: ``[s, 1, nq·d]``."""
     return out.transpose(0, 1) if group.single else out
+
+
+def _attend_full(core: Any, group: _Group, query: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
+    """One group over stored K/V: ``core`` takes ``(q, k, v, mask)`` as ``SdpaCoreAttention`` does."""
+    stored_k, stored_v = cache.read(group)
+    return _packed(group, core(_group_queries(group, query), stored_k, stored_v, group.mask))
+
+
+def _attend_latent(attn: Any, group: _Group, query: torch.Tensor, cache: PagedKVCache,
+                   k_emb: torch.Tensor | None, absorb: bool) -> torch.Tensor:
+    """One group of a decomposed block over stored latents: K rebuilt (RoPE at each key's
+    position); for single-token rows ``U_v`` absorbed after attention when ``absorb``."""
+    q = _group_queries(group, query)
+    stored_k, stored_v = cache.read(group)
+    sq, rows = q.shape[:2]
+    key = attn._rope(attn._project(attn.linear_k_up, stored_k, attn.num_kv_heads),
+                     None if k_emb is None else k_emb[: group.keys])
+    if absorb and group.single:  # P·(U_v C_v) = U_v·(P·C_v), exact
+        latent_v = stored_v.unsqueeze(2).expand(-1, -1, attn.num_kv_heads, -1)
+        z = attn.core_attention.attend(q, key, latent_v, group.mask)
+        z = z.view(sq, rows, attn.num_kv_heads, -1, z.shape[-1])
+        out = attn.linear_v_up.per_unit(z, attn.head_dim).reshape(sq, rows, -1)
+    else:
+        value = attn._project(attn.linear_v_up, stored_v, attn.num_kv_heads)
+        out = attn.core_attention(q, key, value, group.mask)
+    return _packed(group, out)
 
 
 def paged_attention(attn: Any, hidden_states: torch.Tensor, context: PagedContext,
@@ -251,11 +275,35 @@ def paged_attention(attn: Any, hidden_states: torch.Tensor, context: PagedContex
     c_q, c_k, c_v = attn.linear_qkv_down(hidden_states)
     query = attn._rope(attn._project(attn.linear_q_up, c_q, attn.num_heads), _freqs_at(q_emb, positions))
     kind = context.kv_cache
-    cache = _cache(attn, context, kind)
+    cache = _factored_cache(attn, context, kind)
     if kind is CacheKind.LATENT:
         cache.store(c_k, c_v, context.entries)
+        parts = [_attend_latent(attn, g, query, cache, k_emb, context.absorb_values) for g in context.groups]
     else:
         key = attn._rope(attn._project(attn.linear_k_up, c_k, attn.num_kv_heads), _freqs_at(k_emb, positions))
         cache.store(key, attn._project(attn.linear_v_up, c_v, attn.num_kv_heads), context.entries)
-    parts = [_attend_group(attn, g, query, cache, kind, k_emb, context.absorb_values) for g in context.groups]
+        parts = [_attend_full(attn.core_attention, g, query, cache) for g in context.groups]
+    return attn.linear_proj(parts[0] if len(parts) == 1 else torch.cat(parts))
+
+
+def paged_dense_attention(attn: Any, hidden_states: torch.Tensor, context: PagedContext,
+                          rotary_pos_emb: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Megatron's dense ``SelfAttention`` under a ``PagedContext`` (``layers.dense.PagedSelfAttention``):
+    its own fused QKV projection and output projection, this rank's heads' K (after RoPE) and V in
+    the pool — under either cache kind, as a dense block has no latents — and the same groups'
+    attention as a decomposed block, over ``attn.paged_core`` (an ``SdpaCoreAttention`` of the
+    rank's heads). ``[T, 1, h]`` → ``([T, 1, h], bias)``."""
+    assert context.positions is not None, "PagedContext.begin_step names the rows before a forward"
+    positions = context.positions
+    q_emb = k_emb = None
+    if rotary_pos_emb is not None:
+        q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+    query, key, value = attn.get_query_key_value_tensors(hidden_states)
+    if q_emb is not None:
+        query = apply_rotary_pos_emb(query, _freqs_at(q_emb, positions), config=attn.config)
+        key = apply_rotary_pos_emb(key, _freqs_at(k_emb, positions), config=attn.config)
+    shape = (attn.num_query_groups_per_partition, attn.hidden_size_per_attention_head)
+    cache = _cache(context, attn.layer_number, (shape, shape), attn.config.params_dtype, hidden_states.device)
+    cache.store(key, value, context.entries)
+    parts = [_attend_full(attn.paged_core, g, query, cache) for g in context.groups]
     return attn.linear_proj(parts[0] if len(parts) == 1 else torch.cat(parts))

@@ -50,7 +50,7 @@ from deinfer_megatron.serving.metrics import ServerMetrics
 from deinfer_megatron.serving.scheduler import DEFAULT_PREFILL_CHUNK, Scheduler
 from deinfer_megatron.serving.stats import PHASES, StepStats
 from deinfer_megatron.serving.step import StepPlan, StepRunner, exchange_plan
-from deinfer_megatron.specs.layout import LayoutPlan, factored_layouts, latent_cache_layouts
+from deinfer_megatron.specs.layout import Layout, LayoutPlan, latent_cache_layouts
 from deinfer_megatron.specs.rank_config import RankConfig
 
 log = logging.getLogger(__name__)
@@ -84,8 +84,7 @@ class ServeJob:
         object.__setattr__(self, "engine", Engine.parse(self.engine))
         object.__setattr__(self, "dtype", DType.parse(self.dtype))
         if self.parallel.layout.is_auto:  # one plan would have to hold for every batch the scheduler forms
-            raise ValueError(f"serve takes a fixed --layout ({' or '.join(l.value for l in factored_layouts())}), "
-                             "not auto")
+            raise ValueError(f"serve takes a fixed --layout ({', '.join(l.value for l in Layout)}), not auto")
 
     @property
     def model_name(self) -> str:
@@ -107,10 +106,9 @@ class ServeJob:
         missing = [name for name in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(name) is None]
         if missing:
             raise RuntimeError(f"serve needs {', '.join(missing)}: pip install 'deinfer-megatron[serve]'")
-        if self.parallel.layout.fixed not in factored_layouts() or not rank_config.modules:
-            raise ValueError("serve needs a decomposed model in the deinfer or naive layout (each request keeps "
-                             "its own positions in the decomposed attention); decompose it with "
-                             "`deinfer-megatron decompose`")
+        if self.cache.kind is CacheKind.LATENT and not rank_config.modules:
+            raise ValueError(f"--kv-cache latent needs a decomposed model; {self.model} is dense "
+                             "(decompose it with `deinfer-megatron decompose`, or use --kv-cache full)")
         if self.max_seq_len is not None and not 1 <= self.max_seq_len <= arch.max_positions:
             raise ValueError(f"--max-seq-len must be between 1 and the model's context of {arch.max_positions}, "
                              f"got {self.max_seq_len}")

@@ -20,6 +20,7 @@ import torch
 
 from deinfer_megatron.generation.sampling import SamplingParams, sample
 from deinfer_megatron.layers.attention import FactoredSelfAttention
+from deinfer_megatron.layers.dense import PagedSelfAttention
 from deinfer_megatron.layers.paged_cache import PagedContext, PagedRow
 from deinfer_megatron.models.build import Stage
 from deinfer_megatron.models.pipeline import broadcast_from_last_stage, stage_forward
@@ -75,16 +76,18 @@ def exchange_plan(plan: StepPlan | None, device: torch.device) -> StepPlan:
 
 
 def require_paged_attention(stage: Stage) -> None:
-    """Continuous batching needs the project's decomposed attention in every layer: Megatron's
-    own attention keeps one position for the whole batch and knows no KV blocks."""
+    """Continuous batching needs attention that keeps each token's own sequence, position and KV
+    block: the project's decomposed attention and ``PagedSelfAttention`` (a block kept dense) do;
+    Megatron's plain ``SelfAttention`` keeps one position for the whole batch."""
     decoder = getattr(stage.model, "decoder", None)
     layers = getattr(decoder, "layers", [])
-    dense = [i + stage.layer_offset for i, layer in enumerate(layers)
-             if not isinstance(layer.self_attention, FactoredSelfAttention)]
-    if dense:
+    other = [i + stage.layer_offset for i, layer in enumerate(layers)
+             if not isinstance(layer.self_attention, (FactoredSelfAttention, PagedSelfAttention))]
+    if other:
         raise ValueError(
-            f"serve needs every attention block decomposed (per-request positions); layers {dense} "
-            "keep Megatron's dense attention — serve a decomposed folder in the deinfer or naive layout"
+            f"serve needs attention blocks that run a paged KV pool; layers {other} hold "
+            f"{type(layers[other[0] - stage.layer_offset].self_attention).__name__} — build the model with "
+            "specs.builder.decomposed_block_spec"
         )
 
 

@@ -5,7 +5,8 @@ A Megatron user serving a decomposed model swaps one argument:
     block_spec = decomposed_block_spec(config, rank_config, Layout.DEINFER)
     model = GPTModel(config, block_spec, vocab_size, max_seq_len, ...)
 
-Each layer's attention and MLP is either Megatron's dense module or the decomposed one with the
+Each layer's attention and MLP is either Megatron's dense module (its attention able to run the
+server's paged KV pool too: ``PagedSelfAttention``) or the decomposed one with the
 layout's factor classes; ranks travel in the spec ``params`` because they differ per layer.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -33,7 +34,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from deinfer_megatron.layers.attention import FactoredAttentionSubmodules, FactoredSelfAttention
 from deinfer_megatron.layers.core_attention import SdpaCoreAttention
-from deinfer_megatron.layers.dense import CountedColumnParallelLinear, CountedRowParallelLinear
+from deinfer_megatron.layers.dense import CountedColumnParallelLinear, CountedRowParallelLinear, PagedSelfAttention
 from deinfer_megatron.specs.layout import (
     FACTOR_CLASSES,
     BlockLayouts,
@@ -56,7 +57,7 @@ def _row(cls: type, number: int, prefix: str, **params: Any) -> ModuleSpec:
 
 def _dense_attention(number: int) -> ModuleSpec:
     return ModuleSpec(
-        module=SelfAttention,
+        module=PagedSelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=_row(CountedColumnParallelLinear, number, f"{number}.linear_qkv"),

@@ -125,9 +125,11 @@ def full_ranks(model: transformers.PreTrainedModel) -> dict[str, int]:
             if isinstance(m, torch.nn.Linear) and n.startswith(prefix)}
 
 
-def full_rank_folders(root, family: str = "llama", **overrides: Any):
+def full_rank_folders(root, family: str = "llama", dense_attention: tuple[int, ...] = (), **overrides: Any):
     """A tiny dense folder ``root/dense`` and its lossless (full-rank, plain SVD) decomposition
-    ``root/dec``, written by the project's own ``decompose``; returns ``(hf_model, dense, dec)``."""
+    ``root/dec``, written by the project's own ``decompose``; returns ``(hf_model, dense, dec)``.
+    The attention blocks of the layers in ``dense_attention`` stay dense, as an allocation that
+    finds a block's factors no smaller than its matrices leaves them."""
     import json
     from pathlib import Path
 
@@ -135,6 +137,8 @@ def full_rank_folders(root, family: str = "llama", **overrides: Any):
 
     root = Path(root)
     hf = save_tiny_folder(family, root / "dense", **overrides)
-    (root / "ranks.json").write_text(json.dumps(full_ranks(hf)))
+    dense = tuple(f"layers.{i}.self_attn." for i in dense_attention)
+    ranks = {name: r for name, r in full_ranks(hf).items() if not any(d in name for d in dense)}
+    (root / "ranks.json").write_text(json.dumps(ranks))
     dec = run_decompose(DecomposeJob(root / "dense", "svd", rank_config=root / "ranks.json", out=root / "dec"))
     return hf, root / "dense", dec

@@ -3,6 +3,8 @@ driven by the real ``openai`` client, against Hugging Face ``generate`` on each 
 
 One server answers every API check and is then drained with SIGTERM; a second one (DeepSpeed-
 Inference engine, latent cache) answers as Hugging Face does and then loses a rank under load. A server start costs ~20 s, so each is used for as much as it can show.
+The model keeps layer 0's attention dense (as an allocation that finds its factors no smaller
+leaves it): Megatron's attention pages its K/V beside the decomposed blocks' K/V or latents.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ MAX_TOKENS = [4 + (i * 5) % 16 for i in range(16)]
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
-    hf, _, dec = full_rank_folders(root, "llama")
+    hf, _, dec = full_rank_folders(root, "llama", dense_attention=(0,))
     tokenizer = transformers.AutoTokenizer.from_pretrained(dec)
 
     def reference(ids: list[int], max_tokens: int) -> str:

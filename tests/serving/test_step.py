@@ -2,7 +2,9 @@
 different steps, share few blocks, prefill together and beside running decodes, share prompt
 prefixes, and wait for blocks in a full pool — each still produces what Hugging Face ``generate``
 produces for it alone (greedy) and what the project's unpaged loop produces, for both KV caches,
-RoPE (LLaMA) and learned positions (OPT), at TP=1, TP=3 and PP=2. A seeded sampled request draws
+RoPE (LLaMA) and learned positions (OPT), at TP=1, TP=3 and PP=2. Attention blocks the model keeps
+dense (Megatron's, ``PagedSelfAttention``: a decomposed model whose allocation left layer 0's
+attention dense, under both caches, and the dense layout) page their K/V alike at TP=1 and TP=3. A seeded sampled request draws
 what ``generate``'s own loop draws for it alone. In bfloat16 (``serve --dtype bfloat16``, TP=1,
 both caches) the pool is bfloat16 and requests joining at different steps produce what
 transformers in bfloat16 produces for them, on prompts whose greedy steps bfloat16 rounding
@@ -62,7 +64,7 @@ def check_case(name: str, driven: Any, expected: list[list[int]]) -> None:
         assert driven.waited and driven.evicted, "requests waited for blocks, and cached blocks were reused"
 
 
-def step_worker(folders: dict[str, str], bf16_prompts: list[list[int]]) -> dict[str, Any]:
+def step_worker(folders: dict[str, str], mixed: str, bf16_prompts: list[list[int]]) -> dict[str, Any]:
     from deinfer_megatron.generation.context import GenerationContext
     from deinfer_megatron.generation.loop import generate_tokens
     from deinfer_megatron.generation.sampling import SamplingParams
@@ -91,6 +93,14 @@ def step_worker(folders: dict[str, str], bf16_prompts: list[list[int]]) -> dict[
                 generate_tokens(stage, [p], max_new_tokens=m, params=sampled,
                                 context=GenerationContext(1, len(p) + m))[0][0].token_ids
                 for p, m in zip(PROMPTS, MAX_NEW)]
+        for layout, folder, kinds, cases in ((Layout.DEINFER, mixed, ("full", "latent"), CASES),
+                                             (Layout.DENSE, folders["llama"], ("full",), JOINING)):
+            stage = load_folder(Path(folder), layout, groups)
+            for kind in kinds:
+                for case in cases:
+                    prompts, new, arrive, options = CASES[case]
+                    out[f"dense-kept/{layout.value}/{kind}/{case}"] = drive_steps(stage, prompts, new, arrive,
+                                                                                  kind=kind, **options)
         stage = load_folder(Path(folders["llama"]), Layout.DEINFER, groups, dtype=torch.bfloat16)
         for kind in ("full", "latent"):  # three requests joining at steps 0, 2 and 3, chunks of 4 beside decodes
             out[f"bf16/{kind}"] = drive_steps(stage, bf16_prompts, [BF16_NEW] * len(bf16_prompts),
@@ -110,7 +120,12 @@ def test_requests_joining_at_any_step_equal_generation_alone(tmp_path) -> None:
         if family == "llama":
             hf16 = copy.deepcopy(hf).to(torch.bfloat16)  # as transformers loads the float32 folder in bfloat16
             bf16 = decided(hf16, TOLERANCE * bf16_error(hf, hf16), new=BF16_NEW)
-    results = run_ranks(1, step_worker, folders, bf16[:, :-BF16_NEW].tolist())[0]
+    _, _, mixed = full_rank_folders(tmp_path / "mixed", "llama", dense_attention=(0,))  # the same weights as "llama"
+    results = run_ranks(1, step_worker, folders, str(mixed), bf16[:, :-BF16_NEW].tolist())[0]
+    kept = {key: results.pop(key) for key in list(results) if key.startswith("dense-kept/")}
+    assert len(kept) == 7
+    for key, driven in kept.items():
+        check_case(key, driven, expected["llama"][key.rsplit("/", 1)[1]])
     for kind in ("full", "latent"):
         driven = results.pop(f"bf16/{kind}")
         assert driven.pool_dtypes == {"torch.bfloat16"}, kind
@@ -125,7 +140,7 @@ def test_requests_joining_at_any_step_equal_generation_alone(tmp_path) -> None:
         assert results[f"{family}/sampled"] != expected[family]["joining"], "sampling did sample"
 
 
-def tp3_worker(folder: str) -> dict[str, Any] | None:
+def tp3_worker(folder: str, mixed: str) -> dict[str, Any] | None:
     from deinfer_megatron.models.build import load_folder
     from deinfer_megatron.parallel.runtime import init_parallel, shutdown
     from deinfer_megatron.specs.layout import Layout
@@ -134,25 +149,30 @@ def tp3_worker(folder: str) -> dict[str, Any] | None:
     lead = groups.global_rank == 0
     out: dict[str, Any] = {}
     try:
-        for layout, kinds, cases in ((Layout.DEINFER, ("full", "latent"), CASES), (Layout.NAIVE, ("full",), JOINING)):
-            stage = load_folder(Path(folder), layout, groups)
+        for name, path, layout, kinds, cases in (
+                ("deinfer", folder, Layout.DEINFER, ("full", "latent"), CASES),
+                ("naive", folder, Layout.NAIVE, ("full",), JOINING),
+                ("dense", folder, Layout.DENSE, ("full",), JOINING),  # Megatron's attention, a KV head per rank
+                ("dense-kept", mixed, Layout.DEINFER, ("full", "latent"), JOINING)):
+            stage = load_folder(Path(path), layout, groups)
             for kind in kinds:
                 for case in cases:
                     prompts, new, arrive, options = CASES[case]
-                    out[f"{layout.value}/{kind}/{case}"] = drive_steps(stage, prompts, new, arrive, kind=kind,
-                                                                       **options)
+                    out[f"{name}/{kind}/{case}"] = drive_steps(stage, prompts, new, arrive, kind=kind, **options)
     finally:
         shutdown()
     return out if lead else None
 
 
 def test_tp3_paged_steps_equal_generation_alone(tmp_path) -> None:
-    """9 heads / 3 KV heads split over 3 ranks: one head group per rank (DeInfer), or every head on
-    every rank (naive); the plan goes from rank 0 to the others each step, as in the server."""
-    hf, _, dec = full_rank_folders(tmp_path, **HEADS9)
+    """9 heads / 3 KV heads split over 3 ranks: one head group per rank (DeInfer, and Megatron's
+    dense attention), or every head on every rank (naive); the plan goes from rank 0 to the others
+    each step, as in the server."""
+    hf, _, dec = full_rank_folders(tmp_path / "dec", **HEADS9)
+    _, _, mixed = full_rank_folders(tmp_path / "mixed", dense_attention=(0,), **HEADS9)
     expected = {case: greedy_alone(hf, prompts, new) for case, (prompts, new, _, _) in CASES.items()}
-    results = run_ranks(3, tp3_worker, str(dec))[0]
-    assert len(results) == 7
+    results = run_ranks(3, tp3_worker, str(dec), str(mixed))[0]
+    assert len(results) == 10
     for key, driven in results.items():
         check_case(key, driven, expected[key.rsplit("/", 1)[1]])
 
