@@ -35,12 +35,21 @@ class ServeConfig:
     rerun_argv: tuple[str, ...] = ()
 
 
+def _served_layout(text: str) -> LayoutRequest:
+    """A fixed ``--layout``: ``auto`` prices one batch and context, the server's change every step."""
+    request = LayoutRequest.parse(text)
+    if request.is_auto:
+        raise ValueError(f"serve takes a fixed layout ({', '.join(names(Layout))}), not auto: it prices one "
+                         "batch and context, and the server's change every step")
+    return request
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model (decomposed or dense) over an OpenAI-compatible HTTP API")
     p.add_argument("--model", type=Path, required=True, help="model folder (decomposed, or dense)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--layout", type=parsed_by(LayoutRequest.parse), default=LayoutRequest(Layout.DEINFER),
+    p.add_argument("--layout", type=parsed_by(_served_layout), default=LayoutRequest(Layout.DEINFER),
                    metavar="{" + ",".join(names(Layout)) + "}",
                    help="deinfer (default), naive or dense (the factors multiplied out) for every block; not auto, "
                         "which prices one batch and context while the server's batch changes every step")

@@ -161,7 +161,7 @@ def test_inference_commands_default_to_auto_and_serve_to_deinfer(capsys) -> None
     assert args.make_config(args).job.parallel.layout.fixed is Layout.DEINFER
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--model", "m", "--layout", "auto"])
-    assert "unknown layout 'auto'" in capsys.readouterr().err
+    assert "serve takes a fixed layout (dense, naive, deinfer), not auto" in capsys.readouterr().err
 
 
 def test_an_unknown_choice_names_the_choices(capsys) -> None:
