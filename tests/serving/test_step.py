@@ -2,10 +2,10 @@
 different steps, share few blocks, prefill together and beside running decodes, share prompt
 prefixes, and wait for blocks in a full pool — each still produces what Hugging Face ``generate``
 produces for it alone (greedy) and what the project's unpaged loop produces, for both KV caches,
-RoPE (LLaMA) and learned positions (OPT), at TP=1, TP=3 and PP=2. Attention blocks the model keeps
-dense (Megatron's, ``PagedSelfAttention``: a decomposed model whose allocation left layer 0's
-attention dense, under both caches, and the dense layout) page their K/V alike at TP=1 and TP=3. A seeded sampled request draws
-what ``generate``'s own loop draws for it alone. In bfloat16 (``serve --dtype bfloat16``, TP=1,
+RoPE (LLaMA) and learned positions (OPT), at TP=1, TP=3 and PP=2. Attention blocks the model
+keeps dense (Megatron's, ``PagedSelfAttention``: a decomposed model whose allocation left layer
+0's attention dense, under both caches, and the dense layout) page their K/V alike at TP=1 and
+TP=3. A seeded sampled request draws what ``generate``'s own loop draws for it alone. In bfloat16 (``serve --dtype bfloat16``, TP=1,
 both caches) the pool is bfloat16 and requests joining at different steps produce what
 transformers in bfloat16 produces for them, on prompts whose greedy steps bfloat16 rounding
 cannot flip (``tests.helpers.bf16``).
