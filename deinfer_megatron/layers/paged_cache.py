@@ -258,6 +258,18 @@ def _attend_latent(attn: Any, group: _Group, query: torch.Tensor, cache: PagedKV
     return _packed(group, out)
 
 
+def _step_inputs(context: PagedContext, hidden_states: torch.Tensor, rotary_pos_emb: Any
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """What both paged forwards read first: the step's positions ``[T, 1]`` (``begin_step`` named
+    the rows, which must be the forward's) and the rotary tables of queries and keys (None: none)."""
+    assert context.positions is not None, "PagedContext.begin_step names the rows before a forward"
+    assert hidden_states.shape[:2] == context.positions.shape, "the step's rows are those of the forward"
+    if rotary_pos_emb is None:
+        return context.positions, None, None
+    q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+    return context.positions, q_emb, k_emb
+
+
 def paged_attention(attn: Any, hidden_states: torch.Tensor, context: PagedContext,
                     rotary_pos_emb: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``FactoredSelfAttention.forward`` under a ``PagedContext``: ``[T, 1, h]`` → ``([T, 1, h], bias)``.
@@ -265,12 +277,7 @@ def paged_attention(attn: Any, hidden_states: torch.Tensor, context: PagedContex
     Each token's K/V (or latents) go to its pool entry first; then every group reads its rows'
     blocks up to their own positions, which is causal attention over each sequence alone.
     """
-    assert context.positions is not None, "PagedContext.begin_step names the rows before a forward"
-    positions = context.positions
-    assert hidden_states.shape[:2] == positions.shape, "the step's rows are those of the forward"
-    q_emb = k_emb = None
-    if rotary_pos_emb is not None:
-        q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+    positions, q_emb, k_emb = _step_inputs(context, hidden_states, rotary_pos_emb)
 
     c_q, c_k, c_v = attn.linear_qkv_down(hidden_states)
     query = attn._rope(attn._project(attn.linear_q_up, c_q, attn.num_heads), _freqs_at(q_emb, positions))
@@ -293,11 +300,7 @@ def paged_dense_attention(attn: Any, hidden_states: torch.Tensor, context: Paged
     the pool — under either cache kind, as a dense block has no latents — and the same groups'
     attention as a decomposed block, over ``attn.paged_core`` (an ``SdpaCoreAttention`` of the
     rank's heads). ``[T, 1, h]`` → ``([T, 1, h], bias)``."""
-    assert context.positions is not None, "PagedContext.begin_step names the rows before a forward"
-    positions = context.positions
-    q_emb = k_emb = None
-    if rotary_pos_emb is not None:
-        q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+    positions, q_emb, k_emb = _step_inputs(context, hidden_states, rotary_pos_emb)
     query, key, value = attn.get_query_key_value_tensors(hidden_states)
     if q_emb is not None:
         query = apply_rotary_pos_emb(query, _freqs_at(q_emb, positions), config=attn.config)
