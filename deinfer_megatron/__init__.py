@@ -24,3 +24,9 @@ PACKAGE_ORDER: tuple[frozenset[str], ...] = (
     frozenset({"bench"}),  # timing the jobs
     frozenset({"cli"}),  # argument parsing into config dataclasses
 )
+
+# Before any module of the project imports Megatron-Core: its import without the fusion
+# compiler where there is no CUDA (patches/megatron_import.py says why).
+from deinfer_megatron.patches import megatron_import  # noqa: E402
+
+megatron_import.install()
