@@ -6,6 +6,9 @@ DeepSpeed, so it is not paid for when DeepSpeed is not used). Every shim checks 
 itself: on a GPU machine nothing is patched. Where it does patch, it first checks the installed
 version (``versions.require_version``: a one-line ``RuntimeError`` naming the fix), and it acts
 only inside the upstream functions it covers — ``torch.cuda`` stays torch's own elsewhere.
+
+``megatron_import.install()`` runs earlier, when the ``deinfer_megatron`` package is imported:
+without CUDA, Megatron-Core's fusion decorators become its own no-op (import time, not values).
 """
 
 from __future__ import annotations
