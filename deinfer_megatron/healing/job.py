@@ -39,7 +39,7 @@ from deinfer_megatron.healing.state import FINAL
 from deinfer_megatron.healing.watch import HeldOut
 from deinfer_megatron.models.hf_factored import TRAINABLE
 from deinfer_megatron.runtime.job import Prepared, prepare, run_prepared
-from deinfer_megatron.runtime.options import Parallelism
+from deinfer_megatron.runtime.options import DType, Parallelism, warn_if_emulated
 from deinfer_megatron.specs.layout import factored_layouts
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,7 @@ def _check_numbers(job: HealJob) -> None:
                          "--tp/--pp, or drop --tp/--pp")
     if job.dtype not in DTYPES:
         raise ValueError(f"unknown --dtype {job.dtype!r}; choose float32 or bfloat16")
+    warn_if_emulated(DType(job.dtype))  # autocast: the products run in it
     if not job.calib_text and not job.calib_self:
         raise ValueError("heal needs data: pass --calib-text FILE (one or more) and/or --calib-self N")
     if job.calib_self is not None and job.calib_self < 1:

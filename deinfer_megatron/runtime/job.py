@@ -41,7 +41,7 @@ from deinfer_megatron.planning.pricing import Workload
 from deinfer_megatron.planning.preflight import Footprint, MemoryBudget
 from deinfer_megatron.runtime.agree import plan_in_job, plan_on_rank0
 from deinfer_megatron.runtime.engines import driven_by
-from deinfer_megatron.runtime.options import DType, Engine, Parallelism
+from deinfer_megatron.runtime.options import DType, Engine, Parallelism, warn_if_emulated
 from deinfer_megatron.specs.layout import LayoutPlan
 from deinfer_megatron.specs.rank_config import RankConfig
 
@@ -136,6 +136,9 @@ def check_job(spec: JobSpec, opened: tuple[ModelArch, RankConfig] | None = None)
         arch, rank_config = opened
     check_parallel_sizes(arch, spec.parallel.tp, spec.parallel.pp)
     spec.check(arch, rank_config)
+    launched = detect()
+    if launched is None or launched.rank == 0:  # the command, or a launcher's rank 0
+        warn_if_emulated(spec.dtype)
     prepared = Prepared(spec, arch, rank_config, None)
     plan = unpriced_plan(spec.parallel.layout, arch.num_layers, prepared.budget.fits)
     if plan is not None:

@@ -7,6 +7,8 @@ precision a ``DType``, the engine an ``Engine``. The JSON a job reports keeps th
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 from enum import Enum
 
@@ -15,6 +17,8 @@ import torch
 from deinfer_megatron.parallel.collectives import Collectives
 from deinfer_megatron.planning.request import LayoutRequest
 from deinfer_megatron.specs.layout import Layout
+
+log = logging.getLogger(__name__)
 
 
 def _parse(enum: type[Enum], value: object, what: str) -> Enum:
@@ -53,6 +57,28 @@ class DType(str, Enum):
     @property
     def itemsize(self) -> int:
         return self.torch.itemsize
+
+    @property
+    def native(self) -> bool:
+        """Whether this machine computes products in this precision with its own instructions.
+        bfloat16 needs a CUDA device or a CPU with AVX-512 BF16 or AMX; elsewhere (an AVX2-only
+        CPU) oneDNN emulates it and a decode step's GEMMs run several times slower than float32
+        (docs/SERVING.md, "bfloat16 on a CPU without bfloat16 instructions"). float32 is native
+        everywhere. A torch without these probes is taken at its word (native)."""
+        if self is not DType.BFLOAT16 or torch.cuda.is_available():
+            return True
+        probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+        return any(p is None for p in probes) or any(p() for p in probes)
+
+
+@functools.cache
+def warn_if_emulated(dtype: DType) -> None:
+    """One warning line where ``dtype`` is not ``native`` here, at most once per process (bench
+    checks a job per cell): such a run is valid and computes the same values, only slowly."""
+    if not dtype.native:
+        log.warning("--dtype %s: this CPU has no %s instructions (AVX-512 BF16 or AMX), so its products are "
+                    "emulated and run several times slower than float32; --dtype float32 is faster here",
+                    dtype.value, dtype.value)
 
 
 @dataclass(frozen=True)
