@@ -136,9 +136,7 @@ def check_job(spec: JobSpec, opened: tuple[ModelArch, RankConfig] | None = None)
         arch, rank_config = opened
     check_parallel_sizes(arch, spec.parallel.tp, spec.parallel.pp)
     spec.check(arch, rank_config)
-    launched = detect()
-    if launched is None or launched.rank == 0:  # the command, or a launcher's rank 0
-        warn_if_emulated(spec.dtype)
+    warn_if_emulated(spec.dtype)
     prepared = Prepared(spec, arch, rank_config, None)
     plan = unpriced_plan(spec.parallel.layout, arch.num_layers, prepared.budget.fits)
     if plan is not None:

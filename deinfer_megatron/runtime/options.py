@@ -14,6 +14,7 @@ from enum import Enum
 
 import torch
 
+from deinfer_megatron.launch.env import detect
 from deinfer_megatron.parallel.collectives import Collectives
 from deinfer_megatron.planning.request import LayoutRequest
 from deinfer_megatron.specs.layout import Layout
@@ -74,8 +75,11 @@ class DType(str, Enum):
 @functools.cache
 def warn_if_emulated(dtype: DType) -> None:
     """One warning line where ``dtype`` is not ``native`` here, at most once per process (bench
-    checks a job per cell): such a run is valid and computes the same values, only slowly."""
-    if not dtype.native:
+    checks a job per cell) and from one process of a job (the command, or a launcher's rank 0,
+    since under a launcher every rank runs the command): such a run is valid and computes the
+    same values, only slowly."""
+    launched = detect()
+    if not dtype.native and (launched is None or launched.rank == 0):
         log.warning("--dtype %s: this CPU has no %s instructions (AVX-512 BF16 or AMX), so its products are "
                     "emulated and run several times slower than float32; --dtype float32 is faster here",
                     dtype.value, dtype.value)

@@ -60,3 +60,14 @@ def test_no_warning_where_bfloat16_is_native(monkeypatch, caplog) -> None:
     with caplog.at_level(logging.WARNING):
         warn_if_emulated(DType.BFLOAT16)
     assert DType.BFLOAT16.native and _warnings(caplog) == []
+
+
+@pytest.mark.parametrize("rank, lines", [(0, 1), (1, 0)])
+def test_under_a_launcher_only_rank_0_warns(monkeypatch, caplog, rank: int, lines: int) -> None:
+    """Every rank a launcher starts runs the command: the job's warning comes from rank 0 alone."""
+    _emulated(monkeypatch, True)
+    for name, value in {"RANK": str(rank), "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "t"}.items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level(logging.WARNING):
+        warn_if_emulated(DType.BFLOAT16)
+    assert len(_warnings(caplog)) == lines
