@@ -1,9 +1,9 @@
 """``deinfer-megatron demo``: the project end to end on the embedded real model.
 
 Default: fetch SmolLM2-135M-Instruct, decompose it (svd-llm, ratio 0.8 — or 0.6 with ``--ratio``:
-the two documented operating points — calibrated on text the model samples itself, no data
-needed), heal it by distillation from the dense model on
-conversations the dense model writes (``heal``; both steps cached), then answer two chat
+the two documented operating points — calibrated on conversations the model writes itself, no
+data needed), heal it by distillation from the dense model on conversations the dense model
+writes (``heal``; both steps cached; both sets sampled at ``DEMO_TEMPERATURE``), then answer two chat
 prompts at TP=3 in the DeInfer layout with the latent KV cache, printing the decomposed, the
 healed and the dense model's answers side by side.
 
@@ -56,6 +56,10 @@ SMOLLM2_RATIOS = (0.8, 0.6)  # the operating points docs/DECOMPOSITION.md and do
 # both held-out texts at both ratios; --update sequential does not (worse prose at 0.8)
 SMOLLM2_ALLOCATION = "fisher"
 SMOLLM2_UPDATE = "none"
+# The demo's own text (calibration and healing conversations) is sampled at 0.7, not the
+# commands' default 1.0: a chat demo must keep chat answers, and at 1.0 the model's self-written
+# questions are incoherent (decompose/calibration.SELF_TEMPERATURE has the measured trade-off).
+DEMO_TEMPERATURE = 0.7
 
 
 @dataclass(frozen=True)
@@ -138,13 +142,17 @@ def cache_is_current(manifest: Path, ratio: float = SMOLLM2_RATIOS[0]) -> bool:
     """Whether the cached decomposition (or the healed folder, whose manifest keeps the
     decomposition's entries) was made by the allocator this code runs with the demo's settings
     at ``ratio``: a cache made otherwise (an older allocator that factored break-even matrices,
-    another allocation or update) is decomposed again, in place — the folder is the demo's own,
+    another allocation or update, calibration conversations sampled at another temperature — the
+    healed folder's own conversations too) is decomposed again, in place — the folder is the demo's own,
     and ``--overwrite`` replaces only folders the project made."""
 
     try:
         made = json.loads(manifest.read_text())
+        healed_on = [source.get("temperature") for source in made.get("healing", {}).get("data", [])]
         return (made.get("allocator") == ALLOCATOR_VERSION and made.get("ratio") == ratio
-                and made.get("allocation") == SMOLLM2_ALLOCATION and made.get("update", "none") == SMOLLM2_UPDATE)
+                and made.get("allocation") == SMOLLM2_ALLOCATION and made.get("update", "none") == SMOLLM2_UPDATE
+                and made.get("calibration", {}).get("temperature") == DEMO_TEMPERATURE
+                and all(t == DEMO_TEMPERATURE for t in healed_on))
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -161,6 +169,7 @@ def _healed(dense: Any, decomposed: Any, ratio: float, seed: int) -> Any:
         print(f"healing it: {HEAL_TOKENS:,} tokens of KL distillation from the dense model on conversations "
               "it writes itself (done once, then cached)...")
         run_heal(HealJob(model=decomposed, teacher=dense, out=healed, calib_self=32, tokens=HEAL_TOKENS,
+                         calib_temperature=DEMO_TEMPERATURE,
                          lr=2e-4, warmup=2, save_every=4, seed=seed, overwrite=True,
                          resume=(state_dir(healed) / "job.json").is_file()))  # a killed demo continues
     return healed
@@ -182,6 +191,7 @@ def smollm2_demo(cfg: DemoConfig) -> int:
               "writes itself; done once, then cached)...")
         run_decompose(DecomposeJob(dense, "svd-llm", ratio=cfg.ratio, allocation=SMOLLM2_ALLOCATION,
                                    update=SMOLLM2_UPDATE, calib_self=16, calib_seq_len=256, out=decomposed,
+                                   calib_temperature=DEMO_TEMPERATURE,
                                    seed=cfg.seed, overwrite=True))  # the project's own cache: may be replaced
     healed = _healed(dense, decomposed, cfg.ratio, cfg.seed)
     common = dict(prompts=DEMO_PROMPTS, max_new_tokens=cfg.max_new_tokens, chat=True)

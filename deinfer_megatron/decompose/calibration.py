@@ -10,6 +10,8 @@ states of the calibration tokens.
 
 from __future__ import annotations
 
+import math
+
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -61,6 +63,26 @@ class InputStats:
 
 # ------------------------------------------------------------------------------ data sources
 
+# Sampling temperature of the model's own calibration and healing text (--calib-temperature).
+# The default, pure sampling, gives the decomposition the diversity held-out text needs: SmolLM2
+# at ratio 0.8 (fisher) calibrated on conversations sampled at 0.7 measured 5.58x dense on the
+# held-out novel against 2.78x at 1.0 (docs/DECOMPOSITION.md). But at 1.0 a 135M chat model
+# writes incoherent user turns ("The golden-antenna 66 is just 100 years away from limo…"), and
+# a model calibrated and healed on them answers chat prompts wrongly; the demo, a chat demo,
+# samples at 0.7 (cli/demo_cmd.DEMO_TEMPERATURE) and answers "Paris" (docs/HEALING.md).
+SELF_TEMPERATURE = 1.0
+
+
+def check_temperature(temperature: float | None, calib_self: int | None) -> None:
+    """``--calib-temperature`` only means something for the model's own text, and must be > 0."""
+    if temperature is None:
+        return
+    if not calib_self:
+        raise ValueError("--calib-temperature sets how the model samples its own --calib-self text; "
+                         "pass --calib-self N or drop --calib-temperature")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"--calib-temperature must be a positive number, got {temperature}")
+
 
 def text_windows(tokenizer: Any, path: str | Path, *, seq_len: int, max_tokens: int) -> torch.Tensor:
     """Non-overlapping ``[n, seq_len]`` token windows from a text file (at most ``max_tokens``)."""
@@ -77,16 +99,17 @@ def text_windows(tokenizer: Any, path: str | Path, *, seq_len: int, max_tokens: 
     return torch.tensor(ids[: n * seq_len]).view(n, seq_len)
 
 
-def self_samples(model: nn.Module, bos_id: int, *, n: int, seq_len: int, seed: int = 0) -> torch.Tensor:
-    """``n`` sequences the model samples itself from its BOS token (temperature 1, no top-k/p):
-    calibration data without any external text.
+def self_samples(model: nn.Module, bos_id: int, *, n: int, seq_len: int, seed: int = 0,
+                 temperature: float = SELF_TEMPERATURE) -> torch.Tensor:
+    """``n`` sequences the model samples itself from its BOS token (at ``temperature``, no
+    top-k/p): calibration data without any external text.
 
     Sampling does not stop at the end-of-sequence token: the model goes on as it would after
     it (for a chat model, the next turn), so the data keeps the model's own format — special
     tokens included — rather than prose with end-of-sequence suppressed."""
     from transformers import GenerationConfig
 
-    config = GenerationConfig(do_sample=True, max_new_tokens=seq_len - 1, temperature=1.0, top_k=0,
+    config = GenerationConfig(do_sample=True, max_new_tokens=seq_len - 1, temperature=temperature, top_k=0,
                               top_p=1.0, eos_token_id=None, pad_token_id=bos_id, bos_token_id=bos_id)
     start = torch.full((n, 1), bos_id, dtype=torch.long)
     with torch.random.fork_rng(), torch.no_grad():
@@ -95,13 +118,15 @@ def self_samples(model: nn.Module, bos_id: int, *, n: int, seq_len: int, seed: i
     return out[:, :seq_len]
 
 
-def self_dialogues(model: nn.Module, tokenizer: Any, *, n: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+def self_dialogues(model: nn.Module, tokenizer: Any, *, n: int, seq_len: int, seed: int = 0,
+                   temperature: float = SELF_TEMPERATURE) -> torch.Tensor:
     """``[n, seq_len]`` windows of conversations a chat model writes itself.
 
     Text sampled from BOS alone never shows a chat model its own turn structure, and a model
     compressed on such data loses the ability to answer in its template. So the model first
     writes user messages (sampled after the template's opening of a user turn), then answers
-    them; the rendered conversations are concatenated and cut into windows. No external data.
+    them (both turns sampled at ``temperature``, no top-k/p); the rendered conversations are
+    concatenated and cut into windows. No external data.
     """
     from transformers import GenerationConfig
 
@@ -109,7 +134,7 @@ def self_dialogues(model: nn.Module, tokenizer: Any, *, n: int, seq_len: int, se
     opening = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
     opening = opening[: opening.index(marker)]
     eos = tokenizer.eos_token_id
-    sample = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=eos)
+    sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=eos)
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"  # generation continues the right end of every row
     stream: list[int] = []

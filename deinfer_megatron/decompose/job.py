@@ -13,7 +13,8 @@ import torch
 
 from deinfer_megatron.checkpoints.folder import RANK_CONFIG, is_project_folder, open_model, write_decomposed
 from deinfer_megatron.decompose.allocation import ALLOCATOR_VERSION, check_ratio, layer_of, uniform_ranks
-from deinfer_megatron.decompose.calibration import self_dialogues, self_samples, text_windows
+from deinfer_megatron.decompose.calibration import (SELF_TEMPERATURE, check_temperature, self_dialogues, self_samples,
+                                                    text_windows)
 from deinfer_megatron.decompose.run import Plan, decompose_model, decomposed_state, nothing_to_decompose
 from deinfer_megatron.decompose.update import UPDATE_DAMP, UPDATES
 from deinfer_megatron.files.staging import claim_output
@@ -51,6 +52,11 @@ class DecomposeJob:
     overwrite: bool = False
     update: str = "none"
     update_damp: float = UPDATE_DAMP
+    calib_temperature: float | None = None  # --calib-self sampling; None: SELF_TEMPERATURE
+
+    @property
+    def temperature(self) -> float:
+        return SELF_TEMPERATURE if self.calib_temperature is None else self.calib_temperature
 
 
 def parse_layers(spec: str, num_layers: int) -> frozenset[int]:
@@ -125,14 +131,17 @@ def _calibration(job: DecomposeJob, model: Any, tokenizer_dir: Path | None, arch
     if job.calib_self is not None:
         tokenizer = _maybe_tokenizer(tokenizer_dir)
         if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-            ids = self_dialogues(model, tokenizer, n=job.calib_self, seq_len=job.calib_seq_len, seed=job.seed)
+            ids = self_dialogues(model, tokenizer, n=job.calib_self, seq_len=job.calib_seq_len, seed=job.seed,
+                                 temperature=job.temperature)
             kind = "self-dialogues"
         elif arch.bos_token_id is not None:
-            ids = self_samples(model, arch.bos_token_id, n=job.calib_self, seq_len=job.calib_seq_len, seed=job.seed)
+            ids = self_samples(model, arch.bos_token_id, n=job.calib_self, seq_len=job.calib_seq_len, seed=job.seed,
+                               temperature=job.temperature)
             kind = "self"
         else:
             raise ValueError("the model has neither a chat template nor a bos_token_id to sample from; use --calib-text")
-        return ids, {"source": f"{kind}:{job.calib_self}", "tokens": ids.numel(), "seq_len": job.calib_seq_len}
+        return ids, {"source": f"{kind}:{job.calib_self}", "tokens": ids.numel(), "seq_len": job.calib_seq_len,
+                     "temperature": job.temperature}
     if job.method == "svd" and job.update == "none" and job.allocation != "fisher":
         return None, {"source": "none"}  # variadic svd ranks from plain singular values
     raise ValueError(f"{job.method} needs calibration data: pass --calib-text FILE or --calib-self N")
@@ -174,6 +183,7 @@ def _validate(job: DecomposeJob) -> None:
                              "pass --calib-text FILE or --calib-self N, or use --allocation variadic")
     if job.calib_self is not None and job.calib_self < 1:
         raise ValueError(f"--calib-self must be at least 1 sequence, got {job.calib_self}")
+    check_temperature(job.calib_temperature, job.calib_self)
     if not job.update_damp >= 0:  # NaN fails too
         raise ValueError(f"--update-damp must be a number ≥ 0 (a fraction of the mean diagonal of XᵀX), "
                          f"got {job.update_damp}")

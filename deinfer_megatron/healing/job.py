@@ -26,6 +26,7 @@ import torch
 from deinfer_megatron.arch.model import load_arch
 from deinfer_megatron.checkpoints.folder import (RANK_CONFIG, ModelFolder, is_project_folder, open_model,
                                                  write_decomposed)
+from deinfer_megatron.decompose.calibration import SELF_TEMPERATURE, check_temperature
 from deinfer_megatron.files.checksums import sha256
 from deinfer_megatron.files.staging import claim_output
 from deinfer_megatron.files.text import read_text
@@ -54,6 +55,8 @@ class HealJob:
     out: Path
     calib_text: tuple[Path, ...] = ()
     calib_self: int | None = None
+    source_weights: tuple[float, ...] = ()  # one per --calib-text file, then the conversations; () equal
+    calib_temperature: float | None = None  # the conversations' sampling; None: SELF_TEMPERATURE
     tokens: int | None = None
     minutes: float | None = None
     lr: float = 1e-4
@@ -83,7 +86,19 @@ class HealJob:
              if k not in ("resume", "json_log", "save_every", "eval_text", "eval_every", "eval_tokens",
                           "overwrite")}
         d["calib_text"] = [str(p) for p in self.calib_text]
+        if not self.source_weights:  # equal turns: what a run made before the option recorded
+            del d["source_weights"]
+        else:
+            d["source_weights"] = list(self.source_weights)
+        if self.calib_self and self.temperature != SELF_TEMPERATURE:  # the conversations depend on it
+            d["calib_temperature"] = self.temperature
+        else:  # the default: what runs made before the option sampled at
+            del d["calib_temperature"]
         return d
+
+    @property
+    def temperature(self) -> float:
+        return SELF_TEMPERATURE if self.calib_temperature is None else self.calib_temperature
 
     def loop_settings(self) -> LoopSettings:
         steps = None if self.tokens is None else math.ceil(self.tokens / (self.batch * self.seq_len))
@@ -133,6 +148,15 @@ def _check_numbers(job: HealJob) -> None:
         raise ValueError("heal needs data: pass --calib-text FILE (one or more) and/or --calib-self N")
     if job.calib_self is not None and job.calib_self < 1:
         raise ValueError(f"--calib-self must be a positive number of conversations, got {job.calib_self}")
+    check_temperature(job.calib_temperature, job.calib_self)
+    if job.source_weights:
+        n = len(job.calib_text) + (1 if job.calib_self else 0)
+        if len(job.source_weights) != n:
+            raise ValueError(f"--source-weights gives {len(job.source_weights)} weights for {n} sources; give one "
+                             "per --calib-text file, in order, then one for the --calib-self conversations")
+        bad = [w for w in job.source_weights if not (math.isfinite(w) and w > 0)]
+        if bad:
+            raise ValueError(f"--source-weights must be positive finite numbers, got {bad[0]}")
 
 
 def tokenizer_fingerprint(folder: Path) -> str | None:
@@ -210,9 +234,11 @@ def _data(job: HealJob, folder: Path, teacher: torch.nn.Module | None = None) ->
     if teacher is None and job.calib_self:
         teacher = load_teacher(job.teacher)
     data = build_data(tokenizer, teacher, job.calib_text, job.calib_self, seq_len=job.seq_len,
-                      max_text_tokens=job.max_text_tokens, seed=job.seed)
+                      max_text_tokens=job.max_text_tokens, seed=job.seed, weights=job.source_weights,
+                      temperature=job.temperature)
     folder.mkdir(parents=True, exist_ok=True)  # a run killed before its job.json left at most data.pt
-    run_state.save_torch(folder / "data.pt", {"windows": data.windows, "sources": data.sources})
+    run_state.save_torch(folder / "data.pt", {"windows": data.windows, "sources": data.sources,
+                                              "weights": data.weights})
     run_state.save_json(folder / "job.json", job.settings())  # last: its presence means resumable
     return data
 

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from deinfer_megatron.cli.demo_cmd import (DEMO_MODEL, DEMO_RATIO, SMOLLM2_ALLOCATION, SMOLLM2_RATIOS, SMOLLM2_UPDATE,
-                                           DemoConfig, LayoutParity, cache_is_current, demo_folder, parity_table)
+from deinfer_megatron.cli.demo_cmd import (DEMO_MODEL, DEMO_RATIO, DEMO_TEMPERATURE, SMOLLM2_ALLOCATION, SMOLLM2_RATIOS,
+                                           SMOLLM2_UPDATE, DemoConfig, LayoutParity, cache_is_current, demo_folder,
+                                           parity_table)
 from deinfer_megatron.decompose.allocation import uniform_ranks
 from deinfer_megatron.models.synthetic import synthetic_arch
 from deinfer_megatron.planning.plan import make_plan
@@ -67,7 +68,8 @@ def test_a_cache_from_the_older_allocator_is_not_reused(tmp_path) -> None:
     assert not cache_is_current(manifest)
     manifest.write_text("{not json")
     assert not cache_is_current(manifest)
-    demo = {"allocator": ALLOCATOR_VERSION, "ratio": 0.8, "allocation": SMOLLM2_ALLOCATION, "update": SMOLLM2_UPDATE}
+    demo = {"allocator": ALLOCATOR_VERSION, "ratio": 0.8, "allocation": SMOLLM2_ALLOCATION, "update": SMOLLM2_UPDATE,
+            "calibration": {"source": "self-dialogues:16", "temperature": DEMO_TEMPERATURE}}
     manifest.write_text(json.dumps(demo))
     assert cache_is_current(manifest) and cache_is_current(manifest, 0.8)
     assert not cache_is_current(manifest, 0.6), "the 0.8 folder is not the 0.6 demo's"
@@ -77,6 +79,13 @@ def test_a_cache_from_the_older_allocator_is_not_reused(tmp_path) -> None:
     other_update = "sequential" if SMOLLM2_UPDATE == "none" else "none"
     manifest.write_text(json.dumps({**demo, "update": other_update}))
     assert not cache_is_current(manifest), "made with another update: decomposed again"
+    manifest.write_text(json.dumps({**demo, "calibration": {"source": "self-dialogues:16"}}))
+    assert not cache_is_current(manifest), "calibrated on conversations sampled at 1.0 (before the option)"
+    healed = {"data": [{"self_dialogues": 32, "temperature": DEMO_TEMPERATURE}]}
+    manifest.write_text(json.dumps({**demo, "healing": healed}))
+    assert cache_is_current(manifest)
+    manifest.write_text(json.dumps({**demo, "healing": {"data": [{"self_dialogues": 32}]}}))
+    assert not cache_is_current(manifest), "healed on conversations sampled at 1.0: healed again"
 
 
 def test_the_ratio_option_picks_an_operating_point(tmp_path, monkeypatch) -> None:
@@ -120,5 +129,7 @@ def test_the_demo_decomposes_with_the_recommended_options(tmp_path, monkeypatch)
     for ratio in SMOLLM2_RATIOS:
         with pytest.raises(Stop):
             demo_cmd.smollm2_demo(DemoConfig(ratio=ratio))
-    assert [(j.method, j.ratio, j.allocation, j.update, j.calib_self, j.calib_seq_len, j.out) for j in asked] == [
-        ("svd-llm", r, "fisher", "none", 16, 256, tmp_path / f"smollm2-135m-svd-llm-r{r}-self") for r in SMOLLM2_RATIOS]
+    made = [(j.method, j.ratio, j.allocation, j.update, j.calib_self, j.calib_seq_len, j.temperature, j.out)
+            for j in asked]
+    assert made == [("svd-llm", r, "fisher", "none", 16, 256, DEMO_TEMPERATURE, tmp_path / f"smollm2-135m-svd-llm-r{r}-self")
+                    for r in SMOLLM2_RATIOS] and DEMO_TEMPERATURE == 0.7

@@ -143,7 +143,7 @@ def test_self_calibration_needs_no_text(chat: bool, tmp_path: Path) -> None:
                                      calib_self=2, calib_seq_len=32, out=tmp_path / "dec"))
     manifest = json.loads((out / "deinfer_manifest.json").read_text())
     source = "self-dialogues:2" if chat else "self:2"
-    assert manifest["calibration"] == {"source": source, "tokens": 64, "seq_len": 32}
+    assert manifest["calibration"] == {"source": source, "tokens": 64, "seq_len": 32, "temperature": 1.0}
     folder = open_model(out)
     ranks = folder.rank_config.modules
     shapes = folder.arch.linear_shapes()
@@ -154,6 +154,35 @@ def test_self_calibration_needs_no_text(chat: bool, tmp_path: Path) -> None:
     spent = sum(ranks[n] * sum(s) if n in ranks else s[0] * s[1] for n, s in shapes.items())
     assert spent <= sum(uniform_rank(*s, 0.6) * sum(s) for s in shapes.values())
     assert manifest["dense_matrices"] == len(shapes) - len(ranks)
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat-template", "bos-only"])
+def test_the_calibration_temperature_reaches_the_sampler(chat: bool, tmp_path: Path) -> None:
+    """Near zero the sampler is greedy decoding (an independent reference: transformers' argmax
+    generation; and no seed changes it); at 0.7 and 1.0 it differs from greedy and from each other."""
+    import transformers
+    from transformers import GenerationConfig
+
+    from deinfer_megatron.decompose.calibration import self_dialogues, self_samples
+
+    save_tiny_folder("qwen2", tmp_path / "dense")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dense").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "dense")
+    if chat:
+        def sample(t: float, seed: int = 3) -> torch.Tensor:
+            return self_dialogues(model, tok, n=2, seq_len=48, seed=seed, temperature=t)
+    else:
+        def sample(t: float, seed: int = 3) -> torch.Tensor:
+            return self_samples(model, model.config.bos_token_id, n=2, seq_len=24, seed=seed, temperature=t)
+    cold, warm, hot = sample(1e-6), sample(0.7), sample(1.0)
+    assert not torch.equal(warm, hot) and not torch.equal(warm, cold)
+    assert torch.equal(cold, sample(1e-6, seed=4)) and not torch.equal(warm, sample(0.7, seed=4))
+    if not chat:
+        bos = model.config.bos_token_id
+        start = torch.full((2, 1), bos)
+        greedy = model.generate(start, attention_mask=torch.ones_like(start), generation_config=GenerationConfig(
+            do_sample=False, max_new_tokens=23, eos_token_id=None, pad_token_id=bos, bos_token_id=bos))
+        assert torch.equal(cold, greedy)
 
 
 def test_self_dialogues_follow_the_chat_template(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""The healing data order: sources take turns, each epoch of a source visits every window once,
-and the order is a function of the seed alone."""
+"""The healing data order: sources take turns (equally, or in proportion to their weights), each
+epoch of a source visits every window once, and the order is a function of the seed alone."""
 
 from __future__ import annotations
 
@@ -23,3 +23,30 @@ def test_sources_take_turns_and_every_window_is_seen_once_per_epoch() -> None:
     again = torch.cat([data.batch(step, 4, seed=7) for step in range(15)])
     assert torch.equal(rows, again)
     assert not torch.equal(rows, torch.cat([data.batch(step, 4, seed=8) for step in range(15)]))
+
+
+def test_equal_weights_are_the_plain_turns() -> None:
+    windows = [torch.arange(7 * 2).view(7, 2), 100 + torch.arange(5 * 2).view(5, 2),
+               200 + torch.arange(2 * 2).view(2, 2)]
+    plain, weighted = HealData(windows), HealData(windows, weights=[2.5, 2.5, 2.5])
+    for step in range(20):
+        assert torch.equal(plain.batch(step, 3, seed=1), weighted.batch(step, 3, seed=1))
+
+
+def test_weights_set_each_sources_share_in_every_stretch() -> None:
+    prose = torch.arange(20 * 2).view(20, 2)  # source 0
+    chats = 1000 + torch.arange(4 * 2).view(4, 2)  # source 1
+    data = HealData([prose, chats], weights=[1.0, 3.0])
+    rows = torch.cat([data.batch(step, 4, seed=3) for step in range(10)])  # 40 windows
+    from_chats = (rows[:, 0] >= 1000).view(10, 4)
+    assert from_chats.sum(dim=1).tolist() == [3] * 10  # 3 of every 4 consecutive windows, as Σw = 4 says
+    firsts = rows[rows[:, 0] >= 1000][:, 0].tolist()  # 30 visits of 4 windows: each epoch a permutation
+    for epoch in range(7):
+        assert sorted(firsts[4 * epoch:4 * epoch + 4]) == [1000, 1002, 1004, 1006]
+    thirds = HealData([prose, chats, chats + 1000], weights=[0.5, 0.2, 0.3])  # shares of a stretch of 10
+    sources = [thirds.turn(k)[0] for k in range(1000)]
+    for start in range(0, 1000, 10):
+        stretch = sources[start:start + 10]
+        assert [stretch.count(j) for j in range(3)] == [5, 2, 3]
+    asked_late = HealData([prose, chats, chats + 1000], weights=[0.5, 0.2, 0.3])  # a resume asks step n first
+    assert [asked_late.turn(k) for k in range(999, -1, -1)] == [thirds.turn(k) for k in range(999, -1, -1)]

@@ -140,6 +140,11 @@ def test_decompose_options(models, tmp_path, capfd) -> None:
         assert f"--update-damp must be a number ≥ 0 (a fraction of the mean diagonal of XᵀX), got {bad}" in line
     line = cli_error(capfd, *base, "--method", "svd-llm", "--ratio", "0.5", "--calib-self", "0")
     assert "--calib-self must be at least 1 sequence, got 0" in line
+    line = cli_error(capfd, *base, "--method", "svd-llm", "--ratio", "0.5", "--calib-self", "1",
+                     "--calib-temperature", "0")
+    assert "--calib-temperature must be a positive number, got 0.0" in line
+    line = cli_error(capfd, *base, "--method", "svd", "--ratio", "0.5", "--calib-temperature", "0.5")
+    assert "--calib-temperature sets how the model samples its own --calib-self text" in line
     assert not (tmp_path / "o").exists() and not (tmp_path / "o2").exists()
 
 
