@@ -11,7 +11,6 @@ states of the calibration tokens.
 from __future__ import annotations
 
 import math
-
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
