@@ -88,3 +88,22 @@ def test_bad_inputs_are_one_line_and_write_nothing(pair, tmp_path, capsys) -> No
     _one_line_error(capsys, base, "--out", "exists")
     out.rmdir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other-tokenizer", "wider"]  # nothing written
+
+
+def test_source_weights_are_saved_for_a_resume(pair, tmp_path) -> None:
+    """The job saves the weights with the windows (``data.pt``) and records them per source, so a
+    resumed run (which reads only ``data.pt``) takes the same weighted turns."""
+    from deinfer_megatron.healing.job import HealJob, _data, _saved_data
+
+    other = tmp_path / "other.txt"
+    shutil.copy(pair.heal_text, other)
+    job = HealJob(model=pair.dec, teacher=pair.dense, out=tmp_path / "out", calib_text=(pair.heal_text, other),
+                  source_weights=(3.0, 1.0), tokens=64, seq_len=32)
+    folder = tmp_path / "state"
+    built = _data(job, folder)
+    saved = _saved_data(folder)
+    assert built.weights == saved.weights == [3.0, 1.0]
+    assert [s["weight"] for s in saved.sources] == [3.0, 1.0]
+    assert json.loads((folder / "job.json").read_text())["source_weights"] == [3.0, 1.0]
+    turns = [saved.turn(k)[0] for k in range(8)]
+    assert turns.count(0) == 6 and turns.count(1) == 2

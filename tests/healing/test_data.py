@@ -50,3 +50,18 @@ def test_weights_set_each_sources_share_in_every_stretch() -> None:
         assert [stretch.count(j) for j in range(3)] == [5, 2, 3]
     asked_late = HealData([prose, chats, chats + 1000], weights=[0.5, 0.2, 0.3])  # a resume asks step n first
     assert [asked_late.turn(k) for k in range(999, -1, -1)] == [thirds.turn(k) for k in range(999, -1, -1)]
+
+
+def test_the_weights_survive_the_saved_state(tmp_path) -> None:
+    """A resume rebuilds the data from ``data.pt`` (healing/job._saved_data): the weights come back
+    with the windows, so the resumed run takes the same turns."""
+    from deinfer_megatron.healing import state as run_state
+
+    data = HealData([torch.arange(12).view(6, 2), 100 + torch.arange(4).view(2, 2)],
+                    [{"text": "a.txt", "weight": 1.0}, {"self_dialogues": 2, "weight": 2.0}], [1.0, 2.0])
+    run_state.save_torch(tmp_path / "data.pt", {"windows": data.windows, "sources": data.sources,
+                                                 "weights": data.weights})
+    again = HealData(**run_state.load_torch(tmp_path / "data.pt"))
+    assert again.weights == [1.0, 2.0] and again.sources == data.sources
+    for step in (7, 0, 3):
+        assert torch.equal(again.batch(step, 3, seed=5), data.batch(step, 3, seed=5))
