@@ -1,11 +1,11 @@
 """``deinfer-megatron demo``: the project end to end on the embedded real model.
 
-Default: fetch SmolLM2-135M-Instruct, decompose it (svd-llm, ratio 0.8 — or 0.6 with ``--ratio``:
-the two documented operating points — calibrated on conversations the model writes itself, no
-data needed), heal it by distillation from the dense model on conversations the dense model
-writes (``heal``; both steps cached; both sets sampled at ``DEMO_TEMPERATURE``), then answer two chat
-prompts at TP=3 in the DeInfer layout with the latent KV cache, printing the decomposed, the
-healed and the dense model's answers side by side.
+Default: fetch SmolLM2-135M-Instruct, let it write conversations (sampled at ``DEMO_TEMPERATURE``,
+no data needed), decompose it (svd-llm, ratio 0.8 — or 0.6 with ``--ratio``: the two documented
+operating points — calibrated on the first of those conversations), heal it by distillation from
+the dense model on all of them (``heal``; every step cached), then answer two chat prompts at
+TP=3 in the DeInfer layout with the latent KV cache, printing the decomposed, the healed and the
+dense model's answers side by side.
 
 ``--layouts``: the three layouts side by side on a small random LLaMA-shaped model
 (``llama-tiny``, a mixed model): the plan, the collectives each layout really issued, and the
@@ -28,9 +28,12 @@ from deinfer_megatron.checkpoints.folder import MANIFEST
 from deinfer_megatron.checkpoints.loader import MultipliedOut
 from deinfer_megatron.cli.output import emit_json
 from deinfer_megatron.decompose.allocation import ALLOCATOR_VERSION, uniform_ranks
+from deinfer_megatron.decompose.calibration import self_conversations
 from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
+from deinfer_megatron.files.staging import write_atomic
 from deinfer_megatron.generation.job import GenerateJob, run_generate
 from deinfer_megatron.generation.options import CacheOptions
+from deinfer_megatron.healing.hf_student import load_teacher
 from deinfer_megatron.healing.job import HealJob, run_heal
 from deinfer_megatron.healing.state import state_dir
 from deinfer_megatron.runtime.options import Parallelism
@@ -60,6 +63,11 @@ SMOLLM2_UPDATE = "none"
 # commands' default 1.0: a chat demo must keep chat answers, and at 1.0 the model's self-written
 # questions are incoherent (decompose/calibration.SELF_TEMPERATURE has the measured trade-off).
 DEMO_TEMPERATURE = 0.7
+# The conversations are written once and serve both steps: the decomposition calibrates on the
+# first CALIBRATION_WINDOWS windows, the heal trains on all HEAL_WINDOWS (writing them twice,
+# 16 for one step and 32 for the other, took ~340 s of the first run's 802 s).
+WINDOW = 256
+CALIBRATION_WINDOWS, HEAL_WINDOWS = 16, 32
 
 
 @dataclass(frozen=True)
@@ -138,38 +146,56 @@ def _reference_logits(arch: Any, rank_config: Any, state: dict, ids: torch.Tenso
         return model(ids).logits
 
 
-def cache_is_current(manifest: Path, ratio: float = SMOLLM2_RATIOS[0]) -> bool:
+def cache_is_current(manifest: Path, conversations: Path, ratio: float = SMOLLM2_RATIOS[0]) -> bool:
     """Whether the cached decomposition (or the healed folder, whose manifest keeps the
     decomposition's entries) was made by the allocator this code runs with the demo's settings
-    at ``ratio``: a cache made otherwise (an older allocator that factored break-even matrices,
-    another allocation or update, calibration conversations sampled at another temperature — the
-    healed folder's own conversations too) is decomposed again, in place — the folder is the demo's own,
-    and ``--overwrite`` replaces only folders the project made."""
+    at ``ratio``, calibrated (and healed) on the demo's ``conversations`` file: a cache made
+    otherwise (an older allocator that factored break-even matrices, another allocation or
+    update, other calibration text — conversations sampled at another temperature are another
+    file) is decomposed again, in place — the folder is the demo's own, and ``--overwrite``
+    replaces only folders the project made."""
 
     try:
         made = json.loads(manifest.read_text())
-        healed_on = [source.get("temperature") for source in made.get("healing", {}).get("data", [])]
+        healed_on = [Path(source.get("text", "")).name for source in made.get("healing", {}).get("data", [])]
         return (made.get("allocator") == ALLOCATOR_VERSION and made.get("ratio") == ratio
                 and made.get("allocation") == SMOLLM2_ALLOCATION and made.get("update", "none") == SMOLLM2_UPDATE
-                and made.get("calibration", {}).get("temperature") == DEMO_TEMPERATURE
-                and all(t == DEMO_TEMPERATURE for t in healed_on))
+                and made.get("calibration", {}).get("source") == f"text:{conversations.name}"
+                and all(name == conversations.name for name in healed_on))
     except (OSError, ValueError, AttributeError):
         return False
 
 
-HEAL_TOKENS = 16 * 4 * 256  # 16 steps of 4 windows: a few minutes on 2 cores, done once
+def demo_conversations(dense: Path, seed: int) -> Path:
+    """The conversations the dense model writes for the demo (at ``DEMO_TEMPERATURE``, at least
+    ``HEAL_WINDOWS`` windows of ``WINDOW`` tokens), rendered in its chat template: written once
+    into the cache (whole or not at all), then reused by every ratio's decomposition and heal."""
+    path = cache_dir() / f"{dense.name}-conversations-t{DEMO_TEMPERATURE}-s{seed}.txt"
+    if not path.is_file():
+        import transformers
+
+        print(f"writing {HEAL_WINDOWS * WINDOW:,} tokens of conversations with the dense model (sampled at "
+              f"{DEMO_TEMPERATURE}; the calibration and healing data, no download; done once, then cached)...")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(dense)
+        texts = self_conversations(load_teacher(dense), tokenizer, tokens=HEAL_WINDOWS * WINDOW, rows=HEAL_WINDOWS,
+                                   seq_len=WINDOW, seed=seed, temperature=DEMO_TEMPERATURE)
+        write_atomic(path, "".join(texts))
+    return path
 
 
-def _healed(dense: Any, decomposed: Any, ratio: float, seed: int) -> Any:
-    """The demo's decomposition healed by distillation from the dense model, on conversations
-    the dense model writes itself (no data needed); done once, then cached."""
+HEAL_TOKENS = 16 * 4 * WINDOW  # 16 steps of 4 windows: a few minutes on 2 cores, done once
+
+
+def _healed(dense: Path, decomposed: Path, conversations: Path, ratio: float, seed: int) -> Path:
+    """The demo's decomposition healed by distillation from the dense model, on the
+    conversations the dense model wrote (no data needed); done once, then cached."""
 
     healed = cache_dir() / f"{decomposed.name}-healed"
-    if not cache_is_current(healed / MANIFEST, ratio):  # healed from an older decomposition: heal again
-        print(f"healing it: {HEAL_TOKENS:,} tokens of KL distillation from the dense model on conversations "
-              "it writes itself (done once, then cached)...")
-        run_heal(HealJob(model=decomposed, teacher=dense, out=healed, calib_self=32, tokens=HEAL_TOKENS,
-                         calib_temperature=DEMO_TEMPERATURE,
+    if not cache_is_current(healed / MANIFEST, conversations, ratio):  # from an older decomposition: heal again
+        print(f"healing it: {HEAL_TOKENS:,} tokens of KL distillation from the dense model on its conversations "
+              "(done once, then cached)...")
+        run_heal(HealJob(model=decomposed, teacher=dense, out=healed, calib_text=(conversations,),
+                         seq_len=WINDOW, tokens=HEAL_TOKENS,
                          lr=2e-4, warmup=2, save_every=4, seed=seed, overwrite=True,
                          resume=(state_dir(healed) / "job.json").is_file()))  # a killed demo continues
     return healed
@@ -185,15 +211,16 @@ def smollm2_demo(cfg: DemoConfig) -> int:
     dense model."""
 
     dense = fetch_model("smollm2-135m")
+    conversations = demo_conversations(dense, cfg.seed)
     decomposed = demo_folder(cfg.ratio)
-    if not cache_is_current(decomposed / MANIFEST, cfg.ratio):
-        print(f"decomposing SmolLM2-135M (svd-llm, ratio {cfg.ratio}, calibrated on conversations the model "
-              "writes itself; done once, then cached)...")
+    if not cache_is_current(decomposed / MANIFEST, conversations, cfg.ratio):
+        print(f"decomposing SmolLM2-135M (svd-llm, ratio {cfg.ratio}, calibrated on {CALIBRATION_WINDOWS} "
+              "windows of those conversations; done once, then cached)...")
         run_decompose(DecomposeJob(dense, "svd-llm", ratio=cfg.ratio, allocation=SMOLLM2_ALLOCATION,
-                                   update=SMOLLM2_UPDATE, calib_self=16, calib_seq_len=256, out=decomposed,
-                                   calib_temperature=DEMO_TEMPERATURE,
+                                   update=SMOLLM2_UPDATE, calib_text=conversations,
+                                   calib_tokens=CALIBRATION_WINDOWS * WINDOW, calib_seq_len=WINDOW, out=decomposed,
                                    seed=cfg.seed, overwrite=True))  # the project's own cache: may be replaced
-    healed = _healed(dense, decomposed, cfg.ratio, cfg.seed)
+    healed = _healed(dense, decomposed, conversations, cfg.ratio, cfg.seed)
     common = dict(prompts=DEMO_PROMPTS, max_new_tokens=cfg.max_new_tokens, chat=True)
     print(f"generating at TP={cfg.tp}: DeInfer layout + latent KV cache (decomposed, then healed), "
           "and the dense model...")

@@ -20,6 +20,7 @@ from torch import nn
 
 from deinfer_megatron.arch.family import family_for_model_type
 from deinfer_megatron.checkpoints.hf_names import FINAL_NORM, POSITION_EMBEDDINGS, WORD_EMBEDDINGS, hf_global_name
+from deinfer_megatron.decompose.sampling import sample_rows
 from deinfer_megatron.files.text import read_text
 
 
@@ -106,56 +107,55 @@ def self_samples(model: nn.Module, bos_id: int, *, n: int, seq_len: int, seed: i
     Sampling does not stop at the end-of-sequence token: the model goes on as it would after
     it (for a chat model, the next turn), so the data keeps the model's own format — special
     tokens included — rather than prose with end-of-sequence suppressed."""
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(do_sample=True, max_new_tokens=seq_len - 1, temperature=temperature, top_k=0,
-                              top_p=1.0, eos_token_id=None, pad_token_id=bos_id, bos_token_id=bos_id)
-    start = torch.full((n, 1), bos_id, dtype=torch.long)
-    with torch.random.fork_rng(), torch.no_grad():
-        torch.manual_seed(seed)
-        out = model.generate(start, attention_mask=torch.ones_like(start), generation_config=config)
-    return out[:, :seq_len]
+    rows = sample_rows(model, [[bos_id]] * n, max_new_tokens=seq_len - 1, temperature=temperature, eos_id=None,
+                       generator=torch.Generator().manual_seed(seed))
+    return torch.tensor([[bos_id] + row for row in rows])
 
 
 def self_dialogues(model: nn.Module, tokenizer: Any, *, n: int, seq_len: int, seed: int = 0,
                    temperature: float = SELF_TEMPERATURE) -> torch.Tensor:
-    """``[n, seq_len]`` windows of conversations a chat model writes itself.
+    """``[n, seq_len]`` windows of conversations a chat model writes itself
+    (:func:`self_conversations`, concatenated and cut into windows). No external data."""
+    texts = self_conversations(model, tokenizer, tokens=n * seq_len, rows=n, seq_len=seq_len, seed=seed,
+                               temperature=temperature)
+    stream = [t for text in texts for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    return torch.tensor(stream[: n * seq_len]).view(n, seq_len)
+
+
+def self_conversations(model: nn.Module, tokenizer: Any, *, tokens: int, rows: int, seq_len: int, seed: int = 0,
+                       temperature: float = SELF_TEMPERATURE) -> list[str]:
+    """Conversations a chat model writes itself, rendered in its chat template (each closed by
+    its end-of-sequence token and a newline), until they hold at least ``tokens`` tokens.
 
     Text sampled from BOS alone never shows a chat model its own turn structure, and a model
     compressed on such data loses the ability to answer in its template. So the model first
     writes user messages (sampled after the template's opening of a user turn), then answers
-    them (both turns sampled at ``temperature``, no top-k/p); the rendered conversations are
-    concatenated and cut into windows. No external data.
+    them (both turns sampled at ``temperature``, no top-k/p, at most ``seq_len`` tokens an
+    answer). The first round writes ``rows`` conversations at once; when they fall short, the
+    next rounds write only as many as the shortfall needs at the length seen so far (a fifth
+    more, so a third round is rare) rather than another ``rows``.
     """
-    from transformers import GenerationConfig
-
     marker = "\x00"
     opening = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
-    opening = opening[: opening.index(marker)]
+    opening = tokenizer(opening[: opening.index(marker)], add_special_tokens=False)["input_ids"]
     eos = tokenizer.eos_token_id
-    sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=eos)
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"  # generation continues the right end of every row
-    stream: list[int] = []
-    try:
-        with torch.random.fork_rng(), torch.no_grad():
-            torch.manual_seed(seed)
-            while len(stream) < n * seq_len:
-                start = torch.tensor([tokenizer(opening, add_special_tokens=False)["input_ids"]] * n)
-                asked = model.generate(start, attention_mask=torch.ones_like(start),
-                                       generation_config=GenerationConfig(max_new_tokens=48, **sample))
-                users = [tokenizer.decode(r[start.shape[1]:], skip_special_tokens=True).strip() for r in asked]
-                chats = [tokenizer.apply_chat_template([{"role": "user", "content": u}], tokenize=False,
-                                                       add_generation_prompt=True) for u in users]
-                enc = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False)
-                answered = model.generate(**enc, generation_config=GenerationConfig(max_new_tokens=seq_len, **sample))
-                for chat, row in zip(chats, answered):
-                    answer = tokenizer.decode(row[enc["input_ids"].shape[1]:], skip_special_tokens=True)
-                    closed = chat + answer + (tokenizer.eos_token or "") + "\n"
-                    stream += tokenizer(closed, add_special_tokens=False)["input_ids"]
-    finally:
-        tokenizer.padding_side = side
-    return torch.tensor(stream[: n * seq_len]).view(n, seq_len)
+    generator = torch.Generator().manual_seed(seed)
+    texts: list[str] = []
+    have, first = 0, rows
+    while have < tokens:
+        asked = sample_rows(model, [opening] * rows, max_new_tokens=48, temperature=temperature, eos_id=eos,
+                            generator=generator)
+        users = [tokenizer.decode(r, skip_special_tokens=True).strip() for r in asked]
+        chats = [tokenizer.apply_chat_template([{"role": "user", "content": u}], tokenize=False,
+                                               add_generation_prompt=True) for u in users]
+        prompts = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in chats]
+        answers = sample_rows(model, prompts, max_new_tokens=seq_len, temperature=temperature, eos_id=eos,
+                              generator=generator)
+        for chat, answer in zip(chats, answers):
+            texts.append(chat + tokenizer.decode(answer, skip_special_tokens=True) + (tokenizer.eos_token or "") + "\n")
+            have += len(tokenizer(texts[-1], add_special_tokens=False)["input_ids"])
+        rows = min(first, max(1, math.ceil(1.2 * (tokens - have) * len(texts) / have)))
+    return texts
 
 
 # ---------------------------------------------------------------------------- layer runner

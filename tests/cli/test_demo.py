@@ -61,31 +61,38 @@ def test_a_cache_from_the_older_allocator_is_not_reused(tmp_path) -> None:
     from deinfer_megatron.decompose.allocation import ALLOCATOR_VERSION
 
     manifest = tmp_path / "deinfer_manifest.json"
-    assert not cache_is_current(manifest), "no cache yet"
+    convs = tmp_path / f"smollm2-135m-conversations-t{DEMO_TEMPERATURE}-s0.txt"
+
+    def current(ratio: float = 0.8) -> bool:
+        return cache_is_current(manifest, convs, ratio)
+
+    assert not current(), "no cache yet"
     manifest.write_text(json.dumps({"format": 1, "method": "svd-llm", "files": {}}))  # before the field
-    assert not cache_is_current(manifest)
+    assert not current()
     manifest.write_text(json.dumps({"allocator": ALLOCATOR_VERSION - 1}))
-    assert not cache_is_current(manifest)
+    assert not current()
     manifest.write_text("{not json")
-    assert not cache_is_current(manifest)
+    assert not current()
     demo = {"allocator": ALLOCATOR_VERSION, "ratio": 0.8, "allocation": SMOLLM2_ALLOCATION, "update": SMOLLM2_UPDATE,
-            "calibration": {"source": "self-dialogues:16", "temperature": DEMO_TEMPERATURE}}
+            "calibration": {"source": f"text:{convs.name}", "tokens": 4096, "seq_len": 256}}
     manifest.write_text(json.dumps(demo))
-    assert cache_is_current(manifest) and cache_is_current(manifest, 0.8)
-    assert not cache_is_current(manifest, 0.6), "the 0.8 folder is not the 0.6 demo's"
+    assert current() and current(0.8)
+    assert not current(0.6), "the 0.8 folder is not the 0.6 demo's"
     other_allocation = "uniform" if SMOLLM2_ALLOCATION != "uniform" else "variadic"
     manifest.write_text(json.dumps({**demo, "allocation": other_allocation}))
-    assert not cache_is_current(manifest), "made with another allocation: decomposed again"
+    assert not current(), "made with another allocation: decomposed again"
     other_update = "sequential" if SMOLLM2_UPDATE == "none" else "none"
     manifest.write_text(json.dumps({**demo, "update": other_update}))
-    assert not cache_is_current(manifest), "made with another update: decomposed again"
-    manifest.write_text(json.dumps({**demo, "calibration": {"source": "self-dialogues:16"}}))
-    assert not cache_is_current(manifest), "calibrated on conversations sampled at 1.0 (before the option)"
-    healed = {"data": [{"self_dialogues": 32, "temperature": DEMO_TEMPERATURE}]}
-    manifest.write_text(json.dumps({**demo, "healing": healed}))
-    assert cache_is_current(manifest)
-    manifest.write_text(json.dumps({**demo, "healing": {"data": [{"self_dialogues": 32}]}}))
-    assert not cache_is_current(manifest), "healed on conversations sampled at 1.0: healed again"
+    assert not current(), "made with another update: decomposed again"
+    before = {"source": "self-dialogues:16", "temperature": DEMO_TEMPERATURE}
+    manifest.write_text(json.dumps({**demo, "calibration": before}))
+    assert not current(), "calibrated on conversations it wrote itself (before the shared file): decomposed again"
+    manifest.write_text(json.dumps({**demo, "calibration": {"source": "text:smollm2-135m-conversations-t1.0-s0.txt"}}))
+    assert not current(), "calibrated on conversations sampled at another temperature"
+    manifest.write_text(json.dumps({**demo, "healing": {"data": [{"text": str(convs), "tokens": 8192}]}}))
+    assert current()
+    manifest.write_text(json.dumps({**demo, "healing": {"data": [{"self_dialogues": 32, "temperature": 0.7}]}}))
+    assert not current(), "healed on conversations it wrote itself (before the shared file): healed again"
 
 
 def test_the_ratio_option_picks_an_operating_point(tmp_path, monkeypatch) -> None:
@@ -109,9 +116,10 @@ def test_the_ratio_option_picks_an_operating_point(tmp_path, monkeypatch) -> Non
     assert demo_folder(0.6) == tmp_path / "smollm2-135m-svd-llm-r0.6-self"
 
 
-def test_the_demo_decomposes_with_the_recommended_options(tmp_path, monkeypatch) -> None:
+def test_the_demo_decomposes_and_heals_on_its_conversations_with_the_recommended_options(tmp_path, monkeypatch) -> None:
     """docs/DECOMPOSITION.md's held-out table recommends --allocation fisher, no update, for both
-    operating points; the demo's decomposition is asked for exactly that, into its own folder."""
+    operating points; the demo's decomposition is asked for exactly that, into its own folder,
+    calibrated on the first 16 windows of the conversations file its heal then trains on."""
     from deinfer_megatron.cli import demo_cmd
 
     asked = []
@@ -119,17 +127,51 @@ def test_the_demo_decomposes_with_the_recommended_options(tmp_path, monkeypatch)
     class Stop(Exception):
         pass
 
-    def record(job):
+    def stop(job):
         asked.append(job)
         raise Stop
 
+    convs = tmp_path / "conversations.txt"
     monkeypatch.setenv("DEINFER_MEGATRON_CACHE", str(tmp_path))
     monkeypatch.setattr(demo_cmd, "fetch_model", lambda name: tmp_path / name)
-    monkeypatch.setattr(demo_cmd, "run_decompose", record)
+    monkeypatch.setattr(demo_cmd, "demo_conversations", lambda dense, seed: convs)
+    monkeypatch.setattr(demo_cmd, "run_decompose", asked.append)
+    monkeypatch.setattr(demo_cmd, "run_heal", stop)
     for ratio in SMOLLM2_RATIOS:
         with pytest.raises(Stop):
             demo_cmd.smollm2_demo(DemoConfig(ratio=ratio))
-    made = [(j.method, j.ratio, j.allocation, j.update, j.calib_self, j.calib_seq_len, j.temperature, j.out)
-            for j in asked]
+    decomposed = [(j.method, j.ratio, j.allocation, j.update, j.calib_self, j.calib_text, j.calib_tokens,
+                   j.calib_seq_len, j.out) for j in asked[0::2]]
     folders = [tmp_path / f"smollm2-135m-svd-llm-r{r}-self" for r in SMOLLM2_RATIOS]
-    assert made == [("svd-llm", r, "fisher", "none", 16, 256, 0.7, f) for r, f in zip(SMOLLM2_RATIOS, folders)]
+    assert decomposed == [("svd-llm", r, "fisher", "none", None, convs, 16 * 256, 256, f)
+                          for r, f in zip(SMOLLM2_RATIOS, folders)]
+    healed = [(j.model, j.teacher, j.calib_text, j.calib_self, j.seq_len, j.tokens, j.out) for j in asked[1::2]]
+    assert healed == [(f, tmp_path / "smollm2-135m", (convs,), None, 256, 16 * 4 * 256, f.parent / f"{f.name}-healed")
+                      for f in folders]
+
+
+def test_the_conversations_are_written_once_whole_in_the_cache(tmp_path, monkeypatch) -> None:
+    """A tiny chat model writes the file: at least the heal's 32 windows of 256 tokens in the chat
+    template, named by temperature and seed; a second demo reuses it without sampling again."""
+    import transformers
+
+    from deinfer_megatron.cli import demo_cmd
+    from tests.helpers.tiny_models import save_tiny_folder
+
+    save_tiny_folder("llama", tmp_path / "smollm2-135m")
+    monkeypatch.setenv("DEINFER_MEGATRON_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    path = demo_cmd.demo_conversations(tmp_path / "smollm2-135m", seed=3)
+    assert path == tmp_path / "cache" / f"smollm2-135m-conversations-t{DEMO_TEMPERATURE}-s3.txt"
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name], "no temporary file left beside it"
+    text = path.read_text()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "smollm2-135m")
+    assert len(tok(text, add_special_tokens=False)["input_ids"]) >= 32 * 256
+    assert text.startswith("<|im_start|>system\n") and text.count("<|im_start|>assistant\n") >= 2
+    made = path.stat().st_mtime_ns
+
+    def no_sampling(*a, **k):
+        raise AssertionError("the cached conversations are reused")
+
+    monkeypatch.setattr(demo_cmd, "self_conversations", no_sampling)
+    assert demo_cmd.demo_conversations(tmp_path / "smollm2-135m", seed=3) == path and path.stat().st_mtime_ns == made

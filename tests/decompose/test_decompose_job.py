@@ -197,3 +197,22 @@ def test_self_dialogues_follow_the_chat_template(tmp_path: Path) -> None:
     text = tok.decode(ids.flatten())
     assert text.startswith("<|im_start|>system\n") and "<|im_start|>user\n" in text
     assert "<|im_start|>assistant\n" in text
+
+
+def test_the_rendered_conversations_are_the_windows_calibration_reads(tmp_path: Path) -> None:
+    """The demo saves ``self_conversations`` as one text file that decompose and heal read with
+    ``--calib-text``: tokenised whole, the file gives exactly the stream ``self_dialogues`` cuts
+    (same seed, same first round), and it holds at least the tokens asked for."""
+    import transformers
+
+    from deinfer_megatron.decompose.calibration import self_conversations, self_dialogues, text_windows
+
+    model = save_tiny_folder("llama", tmp_path / "m")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")
+    texts = self_conversations(model, tok, tokens=4 * 64, rows=4, seq_len=64, seed=2, temperature=0.7)
+    (tmp_path / "c.txt").write_text("".join(texts))
+    stream = [t for text in texts for t in tok(text, add_special_tokens=False)["input_ids"]]
+    assert len(stream) >= 4 * 64
+    read = text_windows(tok, tmp_path / "c.txt", seq_len=64, max_tokens=4 * 64)
+    assert torch.equal(read, torch.tensor(stream[: 4 * 64]).view(4, 64))
+    assert torch.equal(read, self_dialogues(model, tok, n=4, seq_len=64, seed=2, temperature=0.7))
