@@ -68,8 +68,9 @@ class InputStats:
 # at ratio 0.8 (fisher) calibrated on conversations sampled at 0.7 measured 5.58x dense on the
 # held-out novel against 2.78x at 1.0 (docs/DECOMPOSITION.md). But at 1.0 a 135M chat model
 # writes incoherent user turns ("The golden-antenna 66 is just 100 years away from limo…"), and
-# a model calibrated and healed on them answers chat prompts wrongly; the demo, a chat demo,
-# samples at 0.7 (cli/demo_cmd.DEMO_TEMPERATURE) and answers "Paris" (docs/HEALING.md).
+# a model calibrated and healed on them answered chat prompts wrongly; the demo, a chat demo,
+# samples at 0.7 (cli/demo_cmd.DEMO_TEMPERATURE) — though whether its healed 0.8 model names
+# "Paris" hangs on a few points of probability either way (docs/HEALING.md measures the margin).
 SELF_TEMPERATURE = 1.0
 
 
