@@ -1,11 +1,11 @@
 """``deinfer-megatron demo``: the project end to end on the embedded real model.
 
-Default: fetch SmolLM2-135M-Instruct, let it write conversations (sampled at ``DEMO_TEMPERATURE``,
-no data needed), decompose it (svd-llm, ratio 0.8 — or 0.6 with ``--ratio``: the two documented
-operating points — calibrated on the first of those conversations), heal it by distillation from
-the dense model on all of them (``heal``; every step cached), then answer two chat prompts at
-TP=3 in the DeInfer layout with the latent KV cache, printing the decomposed, the healed and the
-dense model's answers side by side.
+Default: fetch SmolLM2-135M-Instruct, let it write conversations (questions sampled at
+``DEMO_TEMPERATURE``, no data needed), decompose it (svd-llm, ratio 0.8 — or 0.6 with ``--ratio``:
+the two documented operating points — calibrated on conversations with sampled answers), heal it
+by distillation from the dense model on conversations with its greedy answers (``heal``; every
+step cached), then answer two chat prompts at TP=3 in the DeInfer layout with the latent KV
+cache, printing the decomposed, the healed and the dense model's answers side by side.
 
 ``--layouts``: the three layouts side by side on a small random LLaMA-shaped model
 (``llama-tiny``, a mixed model): the plan, the collectives each layout really issued, and the
@@ -63,11 +63,16 @@ SMOLLM2_UPDATE = "none"
 # commands' default 1.0: a chat demo must keep chat answers, and at 1.0 the model's self-written
 # questions are incoherent (decompose/calibration.SELF_TEMPERATURE has the measured trade-off).
 DEMO_TEMPERATURE = 0.7
-# The conversations are written once and serve both steps: the decomposition calibrates on the
-# first CALIBRATION_WINDOWS windows, the heal trains on all HEAL_WINDOWS (writing them twice,
-# 16 for one step and 32 for the other, took ~340 s of the first run's 802 s).
+# Two files of conversations, each written once: the decomposition calibrates on CALIBRATION_WINDOWS
+# windows whose answers are sampled too (calibrated on greedy answers, a narrower text, the model
+# kept less: mean log-prob of the dense model's chat answers -18.7 against -14.3 unhealed), the
+# heal trains on HEAL_WINDOWS windows whose answers are the dense model's greedy ones — what the
+# demo's greedy decoding must reproduce — with cross-entropy on them beside the KL (HEAL_CE_WEIGHT).
+# Against healing on the sampled file, on the same decomposition: log-prob -12.7 against -14.4,
+# argmax agreement 0.68 against 0.62, P(" Paris") 0.13 against 0.02 (docs/HEALING.md).
 WINDOW = 256
 CALIBRATION_WINDOWS, HEAL_WINDOWS = 16, 32
+HEAL_CE_WEIGHT = 1.0
 
 
 @dataclass(frozen=True)
@@ -146,12 +151,20 @@ def _reference_logits(arch: Any, rank_config: Any, state: dict, ids: torch.Tenso
         return model(ids).logits
 
 
-def cache_is_current(manifest: Path, conversations: Path, ratio: float = SMOLLM2_RATIOS[0]) -> bool:
+@dataclass(frozen=True)
+class Conversations:
+    """The demo's two files of self-written conversations (``demo_conversations``)."""
+
+    calibration: Path  # answers sampled at DEMO_TEMPERATURE: what the decomposition calibrates on
+    healing: Path  # questions of the same kind, answered greedily: what the heal trains on
+
+
+def cache_is_current(manifest: Path, conversations: Conversations, ratio: float = SMOLLM2_RATIOS[0]) -> bool:
     """Whether the cached decomposition (or the healed folder, whose manifest keeps the
     decomposition's entries) was made by the allocator this code runs with the demo's settings
-    at ``ratio``, calibrated (and healed) on the demo's ``conversations`` file: a cache made
-    otherwise (an older allocator that factored break-even matrices, another allocation or
-    update, other calibration text — conversations sampled at another temperature are another
+    at ``ratio``, calibrated on the demo's calibration file (and healed on its heal file): a cache
+    made otherwise (an older allocator that factored break-even matrices, another allocation or
+    update, other calibration or healing text — conversations sampled otherwise are another
     file) is decomposed again, in place — the folder is the demo's own, and ``--overwrite``
     replaces only folders the project made."""
 
@@ -160,42 +173,50 @@ def cache_is_current(manifest: Path, conversations: Path, ratio: float = SMOLLM2
         healed_on = [Path(source.get("text", "")).name for source in made.get("healing", {}).get("data", [])]
         return (made.get("allocator") == ALLOCATOR_VERSION and made.get("ratio") == ratio
                 and made.get("allocation") == SMOLLM2_ALLOCATION and made.get("update", "none") == SMOLLM2_UPDATE
-                and made.get("calibration", {}).get("source") == f"text:{conversations.name}"
-                and all(name == conversations.name for name in healed_on))
+                and made.get("calibration", {}).get("source") == f"text:{conversations.calibration.name}"
+                and all(name == conversations.healing.name for name in healed_on))
     except (OSError, ValueError, AttributeError):
         return False
 
 
-def demo_conversations(dense: Path, seed: int) -> Path:
-    """The conversations the dense model writes for the demo (at ``DEMO_TEMPERATURE``, at least
-    ``HEAL_WINDOWS`` windows of ``WINDOW`` tokens), rendered in its chat template: written once
-    into the cache (whole or not at all), then reused by every ratio's decomposition and heal."""
-    path = cache_dir() / f"{dense.name}-conversations-t{DEMO_TEMPERATURE}-s{seed}.txt"
-    if not path.is_file():
+def demo_conversations(dense: Path, seed: int) -> Conversations:
+    """The conversations the dense model writes for the demo, rendered in its chat template, each
+    file written once into the cache (whole or not at all): questions sampled at
+    ``DEMO_TEMPERATURE`` (one batch of ``HEAL_WINDOWS`` rows, then what is missing); answers
+    sampled too for the calibration file (``CALIBRATION_WINDOWS`` windows of ``WINDOW`` tokens),
+    greedy for the healing file (``HEAL_WINDOWS`` windows). Both ratios reuse them."""
+    stem = f"{dense.name}-conversations-t{DEMO_TEMPERATURE}"
+    files = Conversations(cache_dir() / f"{stem}-s{seed}.txt", cache_dir() / f"{stem}-greedy-s{seed}.txt")
+    wanted = ((files.calibration, CALIBRATION_WINDOWS, None, f"answers sampled at {DEMO_TEMPERATURE}: calibration"),
+              (files.healing, HEAL_WINDOWS, 0.0, "answers greedy: healing"))
+    missing = [w for w in wanted if not w[0].is_file()]
+    if missing:
         import transformers
 
-        print(f"writing {HEAL_WINDOWS * WINDOW:,} tokens of conversations with the dense model (sampled at "
-              f"{DEMO_TEMPERATURE}; the calibration and healing data, no download; done once, then cached)...")
         tokenizer = transformers.AutoTokenizer.from_pretrained(dense)
-        texts = self_conversations(load_teacher(dense), tokenizer, tokens=HEAL_WINDOWS * WINDOW, rows=HEAL_WINDOWS,
-                                   seq_len=WINDOW, seed=seed, temperature=DEMO_TEMPERATURE)
-        write_atomic(path, "".join(texts))
-    return path
+        teacher = load_teacher(dense)
+        for path, windows, answers, what in missing:
+            print(f"writing {windows * WINDOW:,} tokens of conversations with the dense model ({what} text, "
+                  "no download; done once, then cached)...")
+            texts = self_conversations(teacher, tokenizer, tokens=windows * WINDOW, rows=HEAL_WINDOWS, seq_len=WINDOW,
+                                       seed=seed, temperature=DEMO_TEMPERATURE, answer_temperature=answers)
+            write_atomic(path, "".join(texts))
+    return files
 
 
 HEAL_TOKENS = 16 * 4 * WINDOW  # 16 steps of 4 windows: a few minutes on 2 cores, done once
 
 
-def _healed(dense: Path, decomposed: Path, conversations: Path, ratio: float, seed: int) -> Path:
+def _healed(dense: Path, decomposed: Path, conversations: Conversations, ratio: float, seed: int) -> Path:
     """The demo's decomposition healed by distillation from the dense model, on the
-    conversations the dense model wrote (no data needed); done once, then cached."""
+    conversations the dense model answered greedily (no data needed); done once, then cached."""
 
     healed = cache_dir() / f"{decomposed.name}-healed"
     if not cache_is_current(healed / MANIFEST, conversations, ratio):  # from an older decomposition: heal again
-        print(f"healing it: {HEAL_TOKENS:,} tokens of KL distillation from the dense model on its conversations "
-              "(done once, then cached)...")
-        run_heal(HealJob(model=decomposed, teacher=dense, out=healed, calib_text=(conversations,),
-                         seq_len=WINDOW, tokens=HEAL_TOKENS,
+        print(f"healing it: {HEAL_TOKENS:,} tokens of KL distillation from the dense model on its greedy "
+              "conversations (done once, then cached)...")
+        run_heal(HealJob(model=decomposed, teacher=dense, out=healed, calib_text=(conversations.healing,),
+                         seq_len=WINDOW, tokens=HEAL_TOKENS, ce_weight=HEAL_CE_WEIGHT,
                          lr=2e-4, warmup=2, save_every=4, seed=seed, overwrite=True,
                          resume=(state_dir(healed) / "job.json").is_file()))  # a killed demo continues
     return healed
@@ -215,9 +236,9 @@ def smollm2_demo(cfg: DemoConfig) -> int:
     decomposed = demo_folder(cfg.ratio)
     if not cache_is_current(decomposed / MANIFEST, conversations, cfg.ratio):
         print(f"decomposing SmolLM2-135M (svd-llm, ratio {cfg.ratio}, calibrated on {CALIBRATION_WINDOWS} "
-              "windows of those conversations; done once, then cached)...")
+              "windows of the sampled conversations; done once, then cached)...")
         run_decompose(DecomposeJob(dense, "svd-llm", ratio=cfg.ratio, allocation=SMOLLM2_ALLOCATION,
-                                   update=SMOLLM2_UPDATE, calib_text=conversations,
+                                   update=SMOLLM2_UPDATE, calib_text=conversations.calibration,
                                    calib_tokens=CALIBRATION_WINDOWS * WINDOW, calib_seq_len=WINDOW, out=decomposed,
                                    seed=cfg.seed, overwrite=True))  # the project's own cache: may be replaced
     healed = _healed(dense, decomposed, conversations, cfg.ratio, cfg.seed)

@@ -124,7 +124,7 @@ def self_dialogues(model: nn.Module, tokenizer: Any, *, n: int, seq_len: int, se
 
 
 def self_conversations(model: nn.Module, tokenizer: Any, *, tokens: int, rows: int, seq_len: int, seed: int = 0,
-                       temperature: float = SELF_TEMPERATURE) -> list[str]:
+                       temperature: float = SELF_TEMPERATURE, answer_temperature: float | None = None) -> list[str]:
     """Conversations a chat model writes itself, rendered in its chat template (each closed by
     its end-of-sequence token and a newline), until they hold at least ``tokens`` tokens.
 
@@ -132,9 +132,10 @@ def self_conversations(model: nn.Module, tokenizer: Any, *, tokens: int, rows: i
     compressed on such data loses the ability to answer in its template. So the model first
     writes user messages (sampled after the template's opening of a user turn), then answers
     them (both turns sampled at ``temperature``, no top-k/p, at most ``seq_len`` tokens an
-    answer). The first round writes ``rows`` conversations at once; when they fall short, the
-    next rounds write only as many as the shortfall needs at the length seen so far (a fifth
-    more, so a third round is rare) rather than another ``rows``.
+    answer; ``answer_temperature``, when given, is the answers' own — 0 answers greedily, what
+    greedy decoding of the questions gives). The first round writes ``rows`` conversations at
+    once; when they fall short, the next rounds write only as many as the shortfall needs at the
+    length seen so far (a fifth more, so a third round is rare) rather than another ``rows``.
     """
     marker = "\x00"
     opening = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
@@ -150,7 +151,8 @@ def self_conversations(model: nn.Module, tokenizer: Any, *, tokens: int, rows: i
         chats = [tokenizer.apply_chat_template([{"role": "user", "content": u}], tokenize=False,
                                                add_generation_prompt=True) for u in users]
         prompts = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in chats]
-        answers = sample_rows(model, prompts, max_new_tokens=seq_len, temperature=temperature, eos_id=eos,
+        answers = sample_rows(model, prompts, max_new_tokens=seq_len, eos_id=eos,
+                              temperature=temperature if answer_temperature is None else answer_temperature,
                               generator=generator)
         for chat, answer in zip(chats, answers):
             texts.append(chat + tokenizer.decode(answer, skip_special_tokens=True) + (tokenizer.eos_token or "") + "\n")

@@ -24,7 +24,10 @@ from torch import nn
 def draw(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of ``logits [b, V]`` from ``softmax(logits / temperature)``: the first
     index whose cumulative probability exceeds a uniform number (scaled by the row's total, so
-    rounding in the cumulative sum cannot push it past the last token)."""
+    rounding in the cumulative sum cannot push it past the last token). ``temperature`` 0 is
+    greedy decoding: the likeliest token, no draw."""
+    if temperature == 0:
+        return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     cdf = probs.cumsum(-1)
     u = torch.rand(logits.shape[0], 1, generator=generator) * cdf[:, -1:]

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from deinfer_megatron.cli.demo_cmd import (DEMO_MODEL, DEMO_RATIO, DEMO_TEMPERATURE, SMOLLM2_ALLOCATION, SMOLLM2_RATIOS,
-                                           SMOLLM2_UPDATE, DemoConfig, LayoutParity, cache_is_current, demo_folder,
-                                           parity_table)
+                                           SMOLLM2_UPDATE, Conversations, DemoConfig, LayoutParity, cache_is_current,
+                                           demo_folder, parity_table)
 from deinfer_megatron.decompose.allocation import uniform_ranks
 from deinfer_megatron.models.synthetic import synthetic_arch
 from deinfer_megatron.planning.plan import make_plan
@@ -61,7 +61,8 @@ def test_a_cache_from_the_older_allocator_is_not_reused(tmp_path) -> None:
     from deinfer_megatron.decompose.allocation import ALLOCATOR_VERSION
 
     manifest = tmp_path / "deinfer_manifest.json"
-    convs = tmp_path / f"smollm2-135m-conversations-t{DEMO_TEMPERATURE}-s0.txt"
+    convs = Conversations(tmp_path / f"smollm2-135m-conversations-t{DEMO_TEMPERATURE}-s0.txt",
+                          tmp_path / f"smollm2-135m-conversations-t{DEMO_TEMPERATURE}-greedy-s0.txt")
 
     def current(ratio: float = 0.8) -> bool:
         return cache_is_current(manifest, convs, ratio)
@@ -74,7 +75,7 @@ def test_a_cache_from_the_older_allocator_is_not_reused(tmp_path) -> None:
     manifest.write_text("{not json")
     assert not current()
     demo = {"allocator": ALLOCATOR_VERSION, "ratio": 0.8, "allocation": SMOLLM2_ALLOCATION, "update": SMOLLM2_UPDATE,
-            "calibration": {"source": f"text:{convs.name}", "tokens": 4096, "seq_len": 256}}
+            "calibration": {"source": f"text:{convs.calibration.name}", "tokens": 4096, "seq_len": 256}}
     manifest.write_text(json.dumps(demo))
     assert current() and current(0.8)
     assert not current(0.6), "the 0.8 folder is not the 0.6 demo's"
@@ -89,8 +90,10 @@ def test_a_cache_from_the_older_allocator_is_not_reused(tmp_path) -> None:
     assert not current(), "calibrated on conversations it wrote itself (before the shared file): decomposed again"
     manifest.write_text(json.dumps({**demo, "calibration": {"source": "text:smollm2-135m-conversations-t1.0-s0.txt"}}))
     assert not current(), "calibrated on conversations sampled at another temperature"
-    manifest.write_text(json.dumps({**demo, "healing": {"data": [{"text": str(convs), "tokens": 8192}]}}))
+    manifest.write_text(json.dumps({**demo, "healing": {"data": [{"text": str(convs.healing), "tokens": 8192}]}}))
     assert current()
+    manifest.write_text(json.dumps({**demo, "healing": {"data": [{"text": str(convs.calibration), "tokens": 8192}]}}))
+    assert not current(), "healed on the sampled conversations (the demo before greedy answers): healed again"
     manifest.write_text(json.dumps({**demo, "healing": {"data": [{"self_dialogues": 32, "temperature": 0.7}]}}))
     assert not current(), "healed on conversations it wrote itself (before the shared file): healed again"
 
@@ -119,7 +122,8 @@ def test_the_ratio_option_picks_an_operating_point(tmp_path, monkeypatch) -> Non
 def test_the_demo_decomposes_and_heals_on_its_conversations_with_the_recommended_options(tmp_path, monkeypatch) -> None:
     """docs/DECOMPOSITION.md's held-out table recommends --allocation fisher, no update, for both
     operating points; the demo's decomposition is asked for exactly that, into its own folder,
-    calibrated on the first 16 windows of the conversations file its heal then trains on."""
+    calibrated on the first 16 windows of the sampled conversations, healed on the greedy ones
+    with cross-entropy beside the KL."""
     from deinfer_megatron.cli import demo_cmd
 
     asked = []
@@ -131,7 +135,7 @@ def test_the_demo_decomposes_and_heals_on_its_conversations_with_the_recommended
         asked.append(job)
         raise Stop
 
-    convs = tmp_path / "conversations.txt"
+    convs = Conversations(tmp_path / "sampled.txt", tmp_path / "greedy.txt")
     monkeypatch.setenv("DEINFER_MEGATRON_CACHE", str(tmp_path))
     monkeypatch.setattr(demo_cmd, "fetch_model", lambda name: tmp_path / name)
     monkeypatch.setattr(demo_cmd, "demo_conversations", lambda dense, seed: convs)
@@ -143,16 +147,18 @@ def test_the_demo_decomposes_and_heals_on_its_conversations_with_the_recommended
     decomposed = [(j.method, j.ratio, j.allocation, j.update, j.calib_self, j.calib_text, j.calib_tokens,
                    j.calib_seq_len, j.out) for j in asked[0::2]]
     folders = [tmp_path / f"smollm2-135m-svd-llm-r{r}-self" for r in SMOLLM2_RATIOS]
-    assert decomposed == [("svd-llm", r, "fisher", "none", None, convs, 16 * 256, 256, f)
+    assert decomposed == [("svd-llm", r, "fisher", "none", None, convs.calibration, 16 * 256, 256, f)
                           for r, f in zip(SMOLLM2_RATIOS, folders)]
-    healed = [(j.model, j.teacher, j.calib_text, j.calib_self, j.seq_len, j.tokens, j.out) for j in asked[1::2]]
-    assert healed == [(f, tmp_path / "smollm2-135m", (convs,), None, 256, 16 * 4 * 256, f.parent / f"{f.name}-healed")
-                      for f in folders]
+    healed = [(j.model, j.teacher, j.calib_text, j.calib_self, j.seq_len, j.tokens, j.ce_weight, j.out)
+              for j in asked[1::2]]
+    assert healed == [(f, tmp_path / "smollm2-135m", (convs.healing,), None, 256, 16 * 4 * 256, 1.0,
+                       f.parent / f"{f.name}-healed") for f in folders]
 
 
 def test_the_conversations_are_written_once_whole_in_the_cache(tmp_path, monkeypatch) -> None:
-    """A tiny chat model writes the file: at least the heal's 32 windows of 256 tokens in the chat
-    template, named by temperature and seed; a second demo reuses it without sampling again."""
+    """A tiny chat model writes both files in the chat template, named by temperature and seed:
+    the calibration's 16 windows of 256 tokens with sampled answers, the heal's 32 with greedy
+    ones (the same first questions, other answers); a second demo reuses them without sampling."""
     import transformers
 
     from deinfer_megatron.cli import demo_cmd
@@ -161,17 +167,25 @@ def test_the_conversations_are_written_once_whole_in_the_cache(tmp_path, monkeyp
     save_tiny_folder("llama", tmp_path / "smollm2-135m")
     monkeypatch.setenv("DEINFER_MEGATRON_CACHE", str(tmp_path / "cache"))
     (tmp_path / "cache").mkdir()
-    path = demo_cmd.demo_conversations(tmp_path / "smollm2-135m", seed=3)
-    assert path == tmp_path / "cache" / f"smollm2-135m-conversations-t{DEMO_TEMPERATURE}-s3.txt"
-    assert sorted(p.name for p in path.parent.iterdir()) == [path.name], "no temporary file left beside it"
-    text = path.read_text()
+    files = demo_cmd.demo_conversations(tmp_path / "smollm2-135m", seed=3)
+    stem = tmp_path / "cache" / f"smollm2-135m-conversations-t{DEMO_TEMPERATURE}"
+    assert files == Conversations(stem.with_name(f"{stem.name}-s3.txt"), stem.with_name(f"{stem.name}-greedy-s3.txt"))
+    assert sorted(p.name for p in stem.parent.iterdir()) == sorted([files.calibration.name, files.healing.name]), \
+        "no temporary file left beside them"
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "smollm2-135m")
-    assert len(tok(text, add_special_tokens=False)["input_ids"]) >= 32 * 256
-    assert text.startswith("<|im_start|>system\n") and text.count("<|im_start|>assistant\n") >= 2
-    made = path.stat().st_mtime_ns
+    sampled, greedy = files.calibration.read_text(), files.healing.read_text()
+    assert len(tok(sampled, add_special_tokens=False)["input_ids"]) >= 16 * 256
+    assert len(tok(greedy, add_special_tokens=False)["input_ids"]) >= 32 * 256
+    for text in (sampled, greedy):
+        assert text.startswith("<|im_start|>system\n") and text.count("<|im_start|>assistant\n") >= 2
+    first = [text.split("<|im_start|>assistant\n")[0] for text in (sampled, greedy)]
+    assert first[0] == first[1] and sampled.split("<|im_end|>\n<|im_start|>system")[0] != \
+        greedy.split("<|im_end|>\n<|im_start|>system")[0], "same first question, another answer"
+    made = [files.calibration.stat().st_mtime_ns, files.healing.stat().st_mtime_ns]
 
     def no_sampling(*a, **k):
         raise AssertionError("the cached conversations are reused")
 
     monkeypatch.setattr(demo_cmd, "self_conversations", no_sampling)
-    assert demo_cmd.demo_conversations(tmp_path / "smollm2-135m", seed=3) == path and path.stat().st_mtime_ns == made
+    assert demo_cmd.demo_conversations(tmp_path / "smollm2-135m", seed=3) == files
+    assert [files.calibration.stat().st_mtime_ns, files.healing.stat().st_mtime_ns] == made

@@ -216,3 +216,29 @@ def test_the_rendered_conversations_are_the_windows_calibration_reads(tmp_path: 
     read = text_windows(tok, tmp_path / "c.txt", seq_len=64, max_tokens=4 * 64)
     assert torch.equal(read, torch.tensor(stream[: 4 * 64]).view(4, 64))
     assert torch.equal(read, self_dialogues(model, tok, n=4, seq_len=64, seed=2, temperature=0.7))
+
+
+def test_greedy_answers_are_the_model_greedy_continuation_of_each_sampled_question(tmp_path: Path) -> None:
+    """``answer_temperature=0``: the questions are sampled as before (same seed, same first
+    round), each answer is transformers' greedy generation for that question's chat prompt
+    alone, cut after the end token."""
+    import transformers
+    from transformers import GenerationConfig
+
+    from deinfer_megatron.decompose.calibration import self_conversations
+
+    model = save_tiny_folder("llama", tmp_path / "m")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")
+    sampled = self_conversations(model, tok, tokens=1, rows=3, seq_len=24, seed=5, temperature=0.7)
+    greedy = self_conversations(model, tok, tokens=1, rows=3, seq_len=24, seed=5, temperature=0.7,
+                                answer_temperature=0)
+    marker = "<|im_start|>assistant\n"
+    assert [t.split(marker)[0] for t in greedy] == [t.split(marker)[0] for t in sampled]
+    assert greedy != sampled
+    for text in greedy:
+        prompt = tok(text.split(marker)[0] + marker, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=GenerationConfig(
+            do_sample=False, max_new_tokens=24, eos_token_id=None, pad_token_id=0))[0, prompt.shape[1]:].tolist()
+        if tok.eos_token_id in out:
+            out = out[: out.index(tok.eos_token_id)]
+        assert text == tok.decode(prompt[0]) + tok.decode(out, skip_special_tokens=True) + tok.eos_token + "\n"

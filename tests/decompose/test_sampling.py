@@ -30,6 +30,14 @@ def test_draw_near_zero_temperature_is_argmax_and_never_an_impossible_token() ->
     assert int(draw(masked, 1.0, torch.Generator().manual_seed(3)).max()) < 50
 
 
+def test_temperature_zero_is_greedy_and_draws_nothing() -> None:
+    logits = torch.randn(64, 33, generator=torch.Generator().manual_seed(8))
+    gen = torch.Generator().manual_seed(9)
+    before = gen.get_state()
+    assert torch.equal(draw(logits, 0, gen), logits.argmax(-1))
+    assert torch.equal(gen.get_state(), before), "greedy rows leave the random stream to the sampled ones"
+
+
 def _greedy_alone(model: torch.nn.Module, prompt: list[int], new: int, eos: int) -> list[int]:
     """transformers' greedy continuation of one prompt (no padding), cut after the first ``eos``."""
     ids = torch.tensor([prompt])
