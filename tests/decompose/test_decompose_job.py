@@ -14,7 +14,7 @@ from deinfer_megatron.checkpoints.folder import open_model
 from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
 from deinfer_megatron.evaluation.perplexity import PerplexityJob, evaluate, token_windows
 from tests.helpers.text import real_text_file
-from tests.helpers.tiny_models import full_ranks, save_tiny_folder
+from tests.helpers.tiny_models import full_ranks, hf_greedy_alone, save_tiny_folder
 
 TEXT_CHARS = 20_000  # well over the 512 tokens each job reads (about 4 characters a token)
 
@@ -223,7 +223,6 @@ def test_greedy_answers_are_the_model_greedy_continuation_of_each_sampled_questi
     round), each answer is transformers' greedy generation for that question's chat prompt
     alone, cut after the end token."""
     import transformers
-    from transformers import GenerationConfig
 
     from deinfer_megatron.decompose.calibration import self_conversations
 
@@ -236,9 +235,7 @@ def test_greedy_answers_are_the_model_greedy_continuation_of_each_sampled_questi
     assert [t.split(marker)[0] for t in greedy] == [t.split(marker)[0] for t in sampled]
     assert greedy != sampled
     for text in greedy:
-        prompt = tok(text.split(marker)[0] + marker, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=GenerationConfig(
-            do_sample=False, max_new_tokens=24, eos_token_id=None, pad_token_id=0))[0, prompt.shape[1]:].tolist()
-        if tok.eos_token_id in out:
-            out = out[: out.index(tok.eos_token_id)]
-        assert text == tok.decode(prompt[0]) + tok.decode(out, skip_special_tokens=True) + tok.eos_token + "\n"
+        prompt = tok(text.split(marker)[0] + marker, add_special_tokens=False)["input_ids"]
+        out = hf_greedy_alone(model, prompt, 24, tok.eos_token_id)
+        out = out[:-1] if out[-1:] == [tok.eos_token_id] else out
+        assert text == tok.decode(prompt) + tok.decode(out, skip_special_tokens=True) + tok.eos_token + "\n"

@@ -5,10 +5,9 @@ leaving the batch) for what the batched loop writes."""
 from __future__ import annotations
 
 import torch
-from transformers import GenerationConfig
 
 from deinfer_megatron.decompose.sampling import draw, sample_rows
-from tests.helpers.tiny_models import random_hf_model
+from tests.helpers.tiny_models import hf_greedy_alone, random_hf_model
 
 
 def test_draw_samples_the_tempered_softmax() -> None:
@@ -38,14 +37,6 @@ def test_temperature_zero_is_greedy_and_draws_nothing() -> None:
     assert torch.equal(gen.get_state(), before), "greedy rows leave the random stream to the sampled ones"
 
 
-def _greedy_alone(model: torch.nn.Module, prompt: list[int], new: int, eos: int) -> list[int]:
-    """transformers' greedy continuation of one prompt (no padding), cut after the first ``eos``."""
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=GenerationConfig(
-        do_sample=False, max_new_tokens=new, eos_token_id=None, pad_token_id=0))[0, len(prompt):].tolist()
-    return out[: out.index(eos) + 1] if eos in out else out
-
-
 def test_rows_leave_the_batch_without_changing_the_others() -> None:
     """Prompts of different lengths (left padding), an end token that some rows write early
     (their cache rows are dropped mid-way): near zero temperature every row equals
@@ -53,9 +44,9 @@ def test_rows_leave_the_batch_without_changing_the_others() -> None:
     model = random_hf_model("llama", seed=4, vocab_size=64).eval()
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 64, (n,), generator=gen).tolist() for n in (3, 9, 5, 12, 1, 7)]
-    free = [_greedy_alone(model, p, 14, eos=-1) for p in prompts]
+    free = [hf_greedy_alone(model, p, 14, eos=-1) for p in prompts]
     eos = free[1][4]  # row 1 ends after 5 tokens; rows that write it sooner end sooner
-    want = [_greedy_alone(model, p, 14, eos) for p in prompts]
+    want = [hf_greedy_alone(model, p, 14, eos) for p in prompts]
     assert len({len(w) for w in want}) > 1, "the case must drop rows at different steps"
     got = sample_rows(model, prompts, max_new_tokens=14, temperature=1e-6, eos_id=eos,
                       generator=torch.Generator().manual_seed(0))

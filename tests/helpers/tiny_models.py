@@ -142,3 +142,12 @@ def full_rank_folders(root, family: str = "llama", dense_attention: tuple[int, .
     (root / "ranks.json").write_text(json.dumps(ranks))
     dec = run_decompose(DecomposeJob(root / "dense", "svd", rank_config=root / "ranks.json", out=root / "dec"))
     return hf, root / "dense", dec
+
+
+def hf_greedy_alone(model: transformers.PreTrainedModel, prompt: list[int], new: int, eos: int) -> list[int]:
+    """transformers' greedy continuation of one prompt (no padding, no batch), cut after the
+    first ``eos`` (kept): the reference for the project's own sampling loop."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=transformers.GenerationConfig(
+        do_sample=False, max_new_tokens=new, eos_token_id=None, pad_token_id=0))[0, len(prompt):].tolist()
+    return out[: out.index(eos) + 1] if eos in out else out
