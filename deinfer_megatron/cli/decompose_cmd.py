@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from deinfer_megatron.decompose.calibration import SELF_TEMPERATURE
+from deinfer_megatron.decompose.calibration import ANSWERS, SELF_TEMPERATURE
 from deinfer_megatron.decompose.job import ALLOCATIONS, METHODS, DecomposeJob, run_decompose
 from deinfer_megatron.decompose.update import UPDATE_DAMP, UPDATES
 
@@ -29,6 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     calib.add_argument("--calib-self", type=int, metavar="N", help="calibrate on N self-sampled sequences")
     p.add_argument("--calib-temperature", type=float, metavar="T",
                    help="sampling temperature of the --calib-self text (default %s)" % SELF_TEMPERATURE)
+    p.add_argument("--calib-answers", choices=ANSWERS, default="sampled",
+                   help="how a chat model answers its own --calib-self questions: sampled at the temperature, "
+                        "or greedy (what it says when served with greedy decoding)")
     p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (text)")
     p.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration sequence")
     p.add_argument("--layers", help="layers to decompose, e.g. '0-9,12' (default: all)")
@@ -43,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(make_config=lambda a: DecomposeJob(
         a.model, a.method, a.ratio, a.rank_config, a.allocation, a.calib_text, a.calib_self,
         a.calib_tokens, a.calib_seq_len, a.layers, a.sequential, a.out, a.tokenizer, a.seed,
-        a.asvd_alpha, a.overwrite, a.update, a.update_damp, a.calib_temperature), run=main)
+        a.asvd_alpha, a.overwrite, a.update, a.update_damp, a.calib_temperature, a.calib_answers), run=main)
 
 
 def main(job: DecomposeJob) -> int:

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from deinfer_megatron.decompose.calibration import SELF_TEMPERATURE
+from deinfer_megatron.decompose.calibration import ANSWERS, SELF_TEMPERATURE
 from deinfer_megatron.healing.job import DTYPES, LAYOUTS, TRAINABLE, HealJob, run_heal
 from deinfer_megatron.healing.loop import DISTILL
 
@@ -20,6 +20,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also heal on N conversations the teacher writes itself (chat format)")
     p.add_argument("--calib-temperature", type=float, metavar="T",
                    help=f"sampling temperature of the --calib-self conversations (default {SELF_TEMPERATURE})")
+    p.add_argument("--calib-answers", choices=ANSWERS, default="sampled",
+                   help="how the teacher answers its own --calib-self questions: sampled at the temperature, or "
+                        "greedy (what it says when served with greedy decoding: heal towards the served answers)")
     p.add_argument("--source-weights", type=float, nargs="+", default=(), metavar="W",
                    help="relative share of each source: one per --calib-text file in order, then one for the "
                         "--calib-self conversations (default: equal turns)")
@@ -53,7 +56,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def config_from_args(a: argparse.Namespace) -> HealJob:
     return HealJob(model=a.model, teacher=a.teacher, out=a.out, calib_text=tuple(a.calib_text),
                    calib_self=a.calib_self, source_weights=tuple(a.source_weights),
-                   calib_temperature=a.calib_temperature, tokens=a.tokens, minutes=a.minutes, lr=a.lr, warmup=a.warmup,
+                   calib_temperature=a.calib_temperature, calib_answers=a.calib_answers, tokens=a.tokens,
+                   minutes=a.minutes, lr=a.lr, warmup=a.warmup,
                    batch=a.batch, seq_len=a.seq_len, train=a.train, ce_weight=a.ce_weight, distill=a.distill,
                    dtype=a.dtype, save_every=a.save_every, resume=a.resume, json_log=a.json_log, seed=a.seed,
                    eval_text=tuple(a.eval_text), eval_every=a.eval_every, eval_tokens=a.eval_tokens,

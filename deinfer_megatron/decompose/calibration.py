@@ -73,6 +73,11 @@ class InputStats:
 # "Paris" hangs on a few points of probability either way (docs/HEALING.md measures the margin).
 SELF_TEMPERATURE = 1.0
 
+# How the model answers its own questions (--calib-answers): at the sampling temperature, or
+# greedily — what the model says when it is served with greedy decoding, which is what a heal
+# aimed at the served answers trains towards (the demo heals on greedy answers: docs/HEALING.md).
+ANSWERS = ("sampled", "greedy")
+
 
 def check_temperature(temperature: float | None, calib_self: int | None) -> None:
     """``--calib-temperature`` only means something for the model's own text, and must be > 0."""
@@ -83,6 +88,21 @@ def check_temperature(temperature: float | None, calib_self: int | None) -> None
                          "pass --calib-self N or drop --calib-temperature")
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"--calib-temperature must be a positive number, got {temperature}")
+
+
+def check_answers(answers: str, calib_self: int | None) -> None:
+    """``--calib-answers`` is ``sampled`` or ``greedy``, and ``greedy`` needs ``--calib-self``."""
+    if answers not in ANSWERS:
+        raise ValueError(f"unknown --calib-answers {answers!r}; choose one of {', '.join(ANSWERS)}")
+    if answers != "sampled" and not calib_self:
+        raise ValueError("--calib-answers sets how the model answers its own --calib-self conversations; "
+                         "pass --calib-self N or drop --calib-answers")
+
+
+def answer_temperature(answers: str) -> float | None:
+    """The answers' own sampling temperature for :func:`self_conversations`: 0 (greedy) or None
+    (the questions' temperature)."""
+    return 0.0 if answers == "greedy" else None
 
 
 def text_windows(tokenizer: Any, path: str | Path, *, seq_len: int, max_tokens: int) -> torch.Tensor:
@@ -114,11 +134,12 @@ def self_samples(model: nn.Module, bos_id: int, *, n: int, seq_len: int, seed: i
 
 
 def self_dialogues(model: nn.Module, tokenizer: Any, *, n: int, seq_len: int, seed: int = 0,
-                   temperature: float = SELF_TEMPERATURE) -> torch.Tensor:
+                   temperature: float = SELF_TEMPERATURE, answers: str = "sampled") -> torch.Tensor:
     """``[n, seq_len]`` windows of conversations a chat model writes itself
-    (:func:`self_conversations`, concatenated and cut into windows). No external data."""
+    (:func:`self_conversations`, concatenated and cut into windows; ``answers`` one of
+    :data:`ANSWERS`). No external data."""
     texts = self_conversations(model, tokenizer, tokens=n * seq_len, rows=n, seq_len=seq_len, seed=seed,
-                               temperature=temperature)
+                               temperature=temperature, answer_temperature=answer_temperature(answers))
     stream = [t for text in texts for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
     return torch.tensor(stream[: n * seq_len]).view(n, seq_len)
 

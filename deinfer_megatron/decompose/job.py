@@ -13,7 +13,7 @@ import torch
 
 from deinfer_megatron.checkpoints.folder import RANK_CONFIG, is_project_folder, open_model, write_decomposed
 from deinfer_megatron.decompose.allocation import ALLOCATOR_VERSION, check_ratio, layer_of, uniform_ranks
-from deinfer_megatron.decompose.calibration import (SELF_TEMPERATURE, check_temperature, self_dialogues, self_samples,
+from deinfer_megatron.decompose.calibration import (SELF_TEMPERATURE, check_answers, check_temperature, self_dialogues, self_samples,
                                                     text_windows)
 from deinfer_megatron.decompose.run import Plan, decompose_model, decomposed_state, nothing_to_decompose
 from deinfer_megatron.decompose.update import UPDATE_DAMP, UPDATES
@@ -53,6 +53,7 @@ class DecomposeJob:
     update: str = "none"
     update_damp: float = UPDATE_DAMP
     calib_temperature: float | None = None  # --calib-self sampling; None: SELF_TEMPERATURE
+    calib_answers: str = "sampled"  # --calib-self answers: sampled or greedy (chat models)
 
     @property
     def temperature(self) -> float:
@@ -132,16 +133,20 @@ def _calibration(job: DecomposeJob, model: Any, tokenizer_dir: Path | None, arch
         tokenizer = _maybe_tokenizer(tokenizer_dir)
         if tokenizer is not None and getattr(tokenizer, "chat_template", None):
             ids = self_dialogues(model, tokenizer, n=job.calib_self, seq_len=job.calib_seq_len, seed=job.seed,
-                                 temperature=job.temperature)
+                                 temperature=job.temperature, answers=job.calib_answers)
             kind = "self-dialogues"
+        elif job.calib_answers != "sampled":
+            raise ValueError(f"--calib-answers {job.calib_answers} needs a chat model (a tokenizer with a chat "
+                             "template): this model has no turns to answer; drop --calib-answers")
         elif arch.bos_token_id is not None:
             ids = self_samples(model, arch.bos_token_id, n=job.calib_self, seq_len=job.calib_seq_len, seed=job.seed,
                                temperature=job.temperature)
             kind = "self"
         else:
             raise ValueError("the model has neither a chat template nor a bos_token_id to sample from; use --calib-text")
-        return ids, {"source": f"{kind}:{job.calib_self}", "tokens": ids.numel(), "seq_len": job.calib_seq_len,
-                     "temperature": job.temperature}
+        made = {"source": f"{kind}:{job.calib_self}", "tokens": ids.numel(), "seq_len": job.calib_seq_len,
+                "temperature": job.temperature}
+        return ids, made | ({"answers": job.calib_answers} if job.calib_answers != "sampled" else {})
     if job.method == "svd" and job.update == "none" and job.allocation != "fisher":
         return None, {"source": "none"}  # variadic svd ranks from plain singular values
     raise ValueError(f"{job.method} needs calibration data: pass --calib-text FILE or --calib-self N")
@@ -184,6 +189,7 @@ def _validate(job: DecomposeJob) -> None:
     if job.calib_self is not None and job.calib_self < 1:
         raise ValueError(f"--calib-self must be at least 1 sequence, got {job.calib_self}")
     check_temperature(job.calib_temperature, job.calib_self)
+    check_answers(job.calib_answers, job.calib_self)
     if not job.update_damp >= 0:  # NaN fails too
         raise ValueError(f"--update-damp must be a number ≥ 0 (a fraction of the mean diagonal of XᵀX), "
                          f"got {job.update_damp}")

@@ -175,14 +175,33 @@ def staged_folder(out: Path, *, before_publish: Callable[[], None] | None = None
         raise
 
 
+def _umask() -> int:
+    """The process's umask, read without setting it (``os.umask`` both sets and returns it, a
+    race with other threads creating files): ``/proc/self/status`` on Linux, else set and
+    restore."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write the file ``path`` through a temporary sibling and a rename: readers never see half
-    a file (reports, cost tables)."""
+    a file (reports, cost tables, cached text). The file gets the mode ``open`` would give it —
+    the mode of the file it replaces, else 0666 less the umask — not ``mkstemp``'s private 0600."""
     path = Path(path)
+    try:
+        mode = path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        mode = 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(dir=path.parent or Path("."), prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
+            os.fchmod(f.fileno(), mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -68,10 +68,10 @@ class HealData:
 
 def build_data(tokenizer: Any, teacher: torch.nn.Module, texts: tuple[Path, ...], self_n: int | None, *,
                seq_len: int, max_text_tokens: int, seed: int, weights: tuple[float, ...] = (),
-               temperature: float = SELF_TEMPERATURE) -> HealData:
+               temperature: float = SELF_TEMPERATURE, answers: str = "sampled") -> HealData:
     """Windows of every text file (at most ``max_text_tokens`` each) and ``self_n`` windows of
-    teacher-written conversations sampled at ``temperature``; ``weights`` (one per source in that
-    order, or none for equal turns) blend them."""
+    teacher-written conversations sampled at ``temperature`` (their answers ``answers``: sampled
+    or greedy); ``weights`` (one per source in that order, or none for equal turns) blend them."""
     parts, sources = [], []
     for path in texts:
         ids = text_windows(tokenizer, path, seq_len=seq_len, max_tokens=max_text_tokens)
@@ -81,9 +81,11 @@ def build_data(tokenizer: Any, teacher: torch.nn.Module, texts: tuple[Path, ...]
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("--calib-self needs a tokenizer with a chat template (the teacher writes "
                              "conversations in it); use --calib-text for this model")
-        ids = self_dialogues(teacher, tokenizer, n=self_n, seq_len=seq_len, seed=seed, temperature=temperature)
+        ids = self_dialogues(teacher, tokenizer, n=self_n, seq_len=seq_len, seed=seed, temperature=temperature,
+                             answers=answers)
         parts.append(ids)
-        sources.append({"self_dialogues": self_n, "tokens": ids.numel(), "temperature": temperature})
+        sources.append({"self_dialogues": self_n, "tokens": ids.numel(), "temperature": temperature}
+                       | ({"answers": answers} if answers != "sampled" else {}))
     for source, weight in zip(sources, weights):
         source["weight"] = weight
     return HealData(parts, sources, list(weights) if weights else None)

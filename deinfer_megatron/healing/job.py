@@ -26,7 +26,7 @@ import torch
 from deinfer_megatron.arch.model import load_arch
 from deinfer_megatron.checkpoints.folder import (RANK_CONFIG, ModelFolder, is_project_folder, open_model,
                                                  write_decomposed)
-from deinfer_megatron.decompose.calibration import SELF_TEMPERATURE, check_temperature
+from deinfer_megatron.decompose.calibration import SELF_TEMPERATURE, check_answers, check_temperature
 from deinfer_megatron.files.checksums import sha256
 from deinfer_megatron.files.staging import claim_output
 from deinfer_megatron.files.text import read_text
@@ -57,6 +57,7 @@ class HealJob:
     calib_self: int | None = None
     source_weights: tuple[float, ...] = ()  # one per --calib-text file, then the conversations; () equal
     calib_temperature: float | None = None  # the conversations' sampling; None: SELF_TEMPERATURE
+    calib_answers: str = "sampled"  # the conversations' answers: sampled or greedy
     tokens: int | None = None
     minutes: float | None = None
     lr: float = 1e-4
@@ -94,7 +95,14 @@ class HealJob:
             d["calib_temperature"] = self.temperature
         else:  # the default: what runs made before the option sampled at
             del d["calib_temperature"]
+        if d["calib_answers"] == "sampled":  # the default: what runs made before the option wrote
+            del d["calib_answers"]
         return d
+
+    @staticmethod
+    def omitted_settings() -> dict[str, Any]:
+        """The values :meth:`settings` leaves out of ``job.json`` (a resume reads them as these)."""
+        return {"source_weights": [], "calib_temperature": SELF_TEMPERATURE, "calib_answers": "sampled"}
 
     @property
     def temperature(self) -> float:
@@ -149,6 +157,7 @@ def _check_numbers(job: HealJob) -> None:
     if job.calib_self is not None and job.calib_self < 1:
         raise ValueError(f"--calib-self must be a positive number of conversations, got {job.calib_self}")
     check_temperature(job.calib_temperature, job.calib_self)
+    check_answers(job.calib_answers, job.calib_self)
     if job.source_weights:
         n = len(job.calib_text) + (1 if job.calib_self else 0)
         if len(job.source_weights) != n:
@@ -201,7 +210,7 @@ def _check_output(job: HealJob) -> Path:
         raise ValueError(f"{folder} holds the state of a killed heal into {job.out}; pass --resume to "
                          "continue it, or remove that folder to start over")
     if job.resume:
-        run_state.check_same_job(folder, job.settings())
+        run_state.check_same_job(folder, job.settings(), job.omitted_settings())
         if (folder / "state.pt").is_file() and run_state.checkpoint_dir(folder) is None:
             raise ValueError(f"{folder} was checkpointed by an earlier version of heal (state.pt), which this "
                              "one cannot continue; remove that folder and start again without --resume")
@@ -235,7 +244,7 @@ def _data(job: HealJob, folder: Path, teacher: torch.nn.Module | None = None) ->
         teacher = load_teacher(job.teacher)
     data = build_data(tokenizer, teacher, job.calib_text, job.calib_self, seq_len=job.seq_len,
                       max_text_tokens=job.max_text_tokens, seed=job.seed, weights=job.source_weights,
-                      temperature=job.temperature)
+                      temperature=job.temperature, answers=job.calib_answers)
     folder.mkdir(parents=True, exist_ok=True)  # a run killed before its job.json left at most data.pt
     run_state.save_torch(folder / "data.pt", {"windows": data.windows, "sources": data.sources,
                                               "weights": data.weights})

@@ -57,13 +57,18 @@ def load_torch(path: Path) -> Any:
     return torch.load(path, weights_only=True)
 
 
-def check_same_job(folder: Path, settings: dict[str, Any]) -> None:
-    """A resume must continue the same run: name the first setting that changed."""
+def check_same_job(folder: Path, settings: dict[str, Any], defaults: dict[str, Any] | None = None) -> None:
+    """A resume must continue the same run: name the first setting that changed. ``defaults``
+    are the settings ``job.json`` leaves out at their default value (so that runs made before
+    an option existed still resume): a missing one reads as its default on either side, and a
+    run saved with another value is refused though this run's settings omit the key."""
     saved = json.loads((folder / "job.json").read_text())
-    for key, value in settings.items():
-        if saved.get(key) != value:
+    defaults = defaults or {}
+    for key in [*settings, *(k for k in defaults if k not in settings)]:
+        value, used = settings.get(key, defaults.get(key)), saved.get(key, defaults.get(key))
+        if used != value:
             raise ValueError(f"--resume with a different {key} ({value!r}; the killed run used "
-                             f"{saved.get(key)!r}); give the same settings, or remove {folder} to start over")
+                             f"{used!r}); give the same settings, or remove {folder} to start over")
 
 
 def checkpoint_dir(folder: Path) -> Path | None:

@@ -83,6 +83,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(pair, tmp_path, capsys) -> No
     _one_line_error(capsys, [*base, "--source-weights", "0"], "--source-weights must be positive finite")
     _one_line_error(capsys, [*base, "--source-weights", "nan"], "--source-weights must be positive finite")
     _one_line_error(capsys, [*base, "--calib-temperature", "0.5"], "--calib-temperature sets how", "--calib-self")
+    _one_line_error(capsys, [*base, "--calib-answers", "greedy"], "--calib-answers sets how", "--calib-self")
     _one_line_error(capsys, [*base, "--resume"], "--resume", "no killed run")
     out.mkdir()
     _one_line_error(capsys, base, "--out", "exists")
@@ -107,3 +108,37 @@ def test_source_weights_are_saved_for_a_resume(pair, tmp_path) -> None:
     assert json.loads((folder / "job.json").read_text())["source_weights"] == [3.0, 1.0]
     turns = [saved.turn(k)[0] for k in range(8)]
     assert turns.count(0) == 6 and turns.count(1) == 2
+
+
+def test_greedy_answers_are_the_windows_healed_on_and_a_resume_must_repeat_them(pair, tmp_path) -> None:
+    """``--calib-answers greedy``: the conversation windows are the teacher's greedy answers to
+    its sampled questions (the stream ``self_conversations(answer_temperature=0)`` renders),
+    recorded per source and in ``job.json``; a resume asking for sampled answers is refused."""
+    import transformers
+
+    from deinfer_megatron.decompose.calibration import self_conversations
+    from deinfer_megatron.healing.job import HealJob, _data, _saved_data
+    from deinfer_megatron.healing.state import check_same_job
+
+    job = HealJob(model=pair.dec, teacher=pair.dense, out=tmp_path / "out", calib_self=2, calib_temperature=0.7,
+                  calib_answers="greedy", tokens=192, seq_len=96, seed=3)  # windows long enough to answer
+    folder = tmp_path / "state"
+    _data(job, folder)
+    saved = _saved_data(folder)
+    tok = transformers.AutoTokenizer.from_pretrained(pair.dense)
+    teacher = transformers.AutoModelForCausalLM.from_pretrained(pair.dense).eval()
+
+    def stream(answers: float | None) -> list[int]:
+        texts = self_conversations(teacher, tok, tokens=192, rows=2, seq_len=96, seed=3, temperature=0.7,
+                                   answer_temperature=answers)
+        return [t for text in texts for t in tok(text, add_special_tokens=False)["input_ids"]][:192]
+
+    assert len(saved.windows) == 1 and saved.windows[0].flatten().tolist() == stream(0)
+    assert stream(0) != stream(None)  # the sampled answers are other windows
+    assert saved.sources == [{"self_dialogues": 2, "tokens": 192, "temperature": 0.7, "answers": "greedy"}]
+    assert json.loads((folder / "job.json").read_text())["calib_answers"] == "greedy"
+    sampled = HealJob(**{**job.__dict__, "calib_answers": "sampled", "resume": True})
+    with pytest.raises(ValueError, match=r"--resume with a different calib_answers \('sampled'; the killed run used "
+                                         r"'greedy'\)"):
+        check_same_job(folder, sampled.settings(), sampled.omitted_settings())
+    check_same_job(folder, job.settings(), job.omitted_settings())  # the same run resumes

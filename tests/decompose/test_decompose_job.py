@@ -239,3 +239,35 @@ def test_greedy_answers_are_the_model_greedy_continuation_of_each_sampled_questi
         out = hf_greedy_alone(model, prompt, 24, tok.eos_token_id)
         out = out[:-1] if out[-1:] == [tok.eos_token_id] else out
         assert text == tok.decode(prompt) + tok.decode(out, skip_special_tokens=True) + tok.eos_token + "\n"
+
+
+def test_greedy_calibration_answers_reach_the_decomposition(tmp_path: Path) -> None:
+    """``--calib-answers greedy``: the windows decompose calibrates on are the conversations whose
+    answers are greedy (the stream ``self_conversations(answer_temperature=0)`` renders — the
+    test above checks those answers against transformers), not the sampled ones; the manifest
+    records it, and a model with no chat template is refused in one line."""
+    import transformers
+
+    from deinfer_megatron.arch.model import load_arch
+    from deinfer_megatron.decompose.calibration import self_conversations
+    from deinfer_megatron.decompose.job import _calibration
+
+    save_tiny_folder("qwen2", tmp_path / "dense")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dense").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "dense")
+    job = DecomposeJob(tmp_path / "dense", "svd-llm", ratio=0.6, calib_self=2, calib_seq_len=96,
+                       calib_temperature=0.7, calib_answers="greedy", seed=4)  # windows long enough to answer
+    ids, made = _calibration(job, model, tmp_path / "dense", load_arch(tmp_path / "dense"))
+    texts = self_conversations(model, tok, tokens=192, rows=2, seq_len=96, seed=4, temperature=0.7,
+                               answer_temperature=0)
+    stream = [t for text in texts for t in tok(text, add_special_tokens=False)["input_ids"]]
+    assert torch.equal(ids, torch.tensor(stream[:192]).view(2, 96))
+    sampled, _ = _calibration(DecomposeJob(**{**job.__dict__, "calib_answers": "sampled"}), model,
+                              tmp_path / "dense", load_arch(tmp_path / "dense"))
+    assert not torch.equal(ids, sampled)
+    assert made == {"source": "self-dialogues:2", "tokens": 192, "seq_len": 96, "temperature": 0.7,
+                    "answers": "greedy"}
+    bare = tmp_path / "bare"
+    bare.mkdir()  # config and weights, no tokenizer: nothing to answer in
+    with pytest.raises(ValueError, match="--calib-answers greedy needs a chat model"):
+        _calibration(job, model, bare, load_arch(tmp_path / "dense"))

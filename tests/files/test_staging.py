@@ -117,3 +117,26 @@ def test_read_text(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="is not a file"):
         read_text(tmp_path, "text")
     assert os.path.exists(good)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_write_atomic_gives_the_mode_open_gives(tmp_path: Path, umask: int) -> None:
+    """A new file gets the mode a plain ``open`` gives a file under the same umask (not
+    ``mkstemp``'s 0600, which left the demo's cached text unreadable to the group); a replaced
+    file keeps its mode; no temporary is left."""
+    from deinfer_megatron.files.staging import write_atomic
+
+    old = os.umask(umask)
+    try:
+        with open(tmp_path / "reference", "w") as f:
+            f.write("x")
+        write_atomic(tmp_path / "new.txt", "text")
+        (tmp_path / "kept.txt").write_text("before")
+        os.chmod(tmp_path / "kept.txt", 0o640)
+        write_atomic(tmp_path / "kept.txt", b"after")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "new.txt").stat().st_mode & 0o777 == (tmp_path / "reference").stat().st_mode & 0o777
+    assert (tmp_path / "kept.txt").stat().st_mode & 0o777 == 0o640
+    assert (tmp_path / "new.txt").read_text() == "text" and (tmp_path / "kept.txt").read_text() == "after"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt", "new.txt", "reference"]

@@ -145,6 +145,8 @@ def test_decompose_options(models, tmp_path, capfd) -> None:
     assert "--calib-temperature must be a positive number, got 0.0" in line
     line = cli_error(capfd, *base, "--method", "svd", "--ratio", "0.5", "--calib-temperature", "0.5")
     assert "--calib-temperature sets how the model samples its own --calib-self text" in line
+    line = cli_error(capfd, *base, "--method", "svd", "--ratio", "0.5", "--calib-answers", "greedy")
+    assert "--calib-answers sets how the model answers its own --calib-self conversations" in line
     assert not (tmp_path / "o").exists() and not (tmp_path / "o2").exists()
 
 
