@@ -90,11 +90,17 @@ def test_a_cache_from_the_older_allocator_is_not_reused(tmp_path) -> None:
     assert not current(), "calibrated on conversations it wrote itself (before the shared file): decomposed again"
     manifest.write_text(json.dumps({**demo, "calibration": {"source": "text:smollm2-135m-conversations-t1.0-s0.txt"}}))
     assert not current(), "calibrated on conversations sampled at another temperature"
-    manifest.write_text(json.dumps({**demo, "healing": {"data": [{"text": str(convs.healing), "tokens": 8192}]}}))
+    healed = {"data": [{"text": str(convs.healing), "tokens": 8192}], "distill": "blocks-then-logits"}
+    manifest.write_text(json.dumps({**demo, "healing": healed}))
     assert current()
-    manifest.write_text(json.dumps({**demo, "healing": {"data": [{"text": str(convs.calibration), "tokens": 8192}]}}))
+    manifest.write_text(json.dumps({**demo, "healing": {**healed, "distill": "logits"}}))
+    assert not current(), "distilled on the logits alone (the demo before blocks-then-logits): healed again"
+    manifest.write_text(json.dumps({**demo, "healing": {"data": healed["data"]}}))
+    assert not current(), "a heal older than --distill distilled the logits: healed again"
+    manifest.write_text(json.dumps({**demo, "healing": {**healed, "data": [{"text": str(convs.calibration)}]}}))
     assert not current(), "healed on the sampled conversations (the demo before greedy answers): healed again"
-    manifest.write_text(json.dumps({**demo, "healing": {"data": [{"self_dialogues": 32, "temperature": 0.7}]}}))
+    written = [{"self_dialogues": 32, "temperature": 0.7}]
+    manifest.write_text(json.dumps({**demo, "healing": {**healed, "data": written}}))
     assert not current(), "healed on conversations it wrote itself (before the shared file): healed again"
 
 
@@ -123,7 +129,7 @@ def test_the_demo_decomposes_and_heals_on_its_conversations_with_the_recommended
     """docs/DECOMPOSITION.md's held-out table recommends --allocation fisher, no update, for both
     operating points; the demo's decomposition is asked for exactly that, into its own folder,
     calibrated on the first 16 windows of the sampled conversations, healed on the greedy ones
-    with cross-entropy beside the KL."""
+    with cross-entropy beside the KL, distilling each block's output before the logits."""
     from deinfer_megatron.cli import demo_cmd
 
     asked = []
@@ -149,10 +155,10 @@ def test_the_demo_decomposes_and_heals_on_its_conversations_with_the_recommended
     folders = [tmp_path / f"smollm2-135m-svd-llm-r{r}-self" for r in SMOLLM2_RATIOS]
     assert decomposed == [("svd-llm", r, "fisher", "none", None, convs.calibration, 16 * 256, 256, f)
                           for r, f in zip(SMOLLM2_RATIOS, folders)]
-    healed = [(j.model, j.teacher, j.calib_text, j.calib_self, j.seq_len, j.tokens, j.ce_weight, j.out)
+    healed = [(j.model, j.teacher, j.calib_text, j.calib_self, j.seq_len, j.tokens, j.ce_weight, j.distill, j.out)
               for j in asked[1::2]]
     assert healed == [(f, tmp_path / "smollm2-135m", (convs.healing,), None, 256, 16 * 4 * 256, 1.0,
-                       f.parent / f"{f.name}-healed") for f in folders]
+                       "blocks-then-logits", f.parent / f"{f.name}-healed") for f in folders]
 
 
 def test_the_conversations_are_written_once_whole_in_the_cache(tmp_path, monkeypatch) -> None:
