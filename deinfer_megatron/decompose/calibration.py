@@ -70,7 +70,8 @@ class InputStats:
 # writes incoherent user turns ("The golden-antenna 66 is just 100 years away from limo…"), and
 # a model calibrated and healed on them answered chat prompts wrongly; the demo, a chat demo,
 # samples at 0.7 (cli/demo_cmd.DEMO_TEMPERATURE) — though whether its healed 0.8 model names
-# "Paris" hangs on a few points of probability either way (docs/HEALING.md measures the margin).
+# "Paris" hung on a few points of probability until its heal matched each block first
+# (docs/HEALING.md measures the margin).
 SELF_TEMPERATURE = 1.0
 
 # How the model answers its own questions (--calib-answers): at the sampling temperature, or
