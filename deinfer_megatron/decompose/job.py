@@ -13,8 +13,8 @@ import torch
 
 from deinfer_megatron.checkpoints.folder import RANK_CONFIG, is_project_folder, open_model, write_decomposed
 from deinfer_megatron.decompose.allocation import ALLOCATOR_VERSION, check_ratio, layer_of, uniform_ranks
-from deinfer_megatron.decompose.calibration import (SELF_TEMPERATURE, check_answers, check_temperature, self_dialogues, self_samples,
-                                                    text_windows)
+from deinfer_megatron.decompose.calibration import (SELF_TEMPERATURE, check_answers, check_temperature, self_dialogues,
+                                                    self_samples, text_windows)
 from deinfer_megatron.decompose.run import Plan, decompose_model, decomposed_state, nothing_to_decompose
 from deinfer_megatron.decompose.update import UPDATE_DAMP, UPDATES
 from deinfer_megatron.files.staging import claim_output
