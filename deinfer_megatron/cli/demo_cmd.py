@@ -28,7 +28,7 @@ from deinfer_megatron.checkpoints.folder import MANIFEST
 from deinfer_megatron.checkpoints.loader import MultipliedOut
 from deinfer_megatron.cli.output import emit_json
 from deinfer_megatron.decompose.allocation import ALLOCATOR_VERSION, uniform_ranks
-from deinfer_megatron.decompose.calibration import self_conversations
+from deinfer_megatron.decompose.calibration import answer_temperature, self_conversations
 from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
 from deinfer_megatron.files.staging import write_atomic
 from deinfer_megatron.generation.job import GenerateJob, run_generate
@@ -194,8 +194,9 @@ def demo_conversations(dense: Path, seed: int) -> Conversations:
     greedy for the healing file (``HEAL_WINDOWS`` windows). Both ratios reuse them."""
     stem = f"{dense.name}-conversations-t{DEMO_TEMPERATURE}"
     files = Conversations(cache_dir() / f"{stem}-s{seed}.txt", cache_dir() / f"{stem}-greedy-s{seed}.txt")
-    wanted = ((files.calibration, CALIBRATION_WINDOWS, None, f"answers sampled at {DEMO_TEMPERATURE}: calibration"),
-              (files.healing, HEAL_WINDOWS, 0.0, "answers greedy: healing"))
+    wanted = ((files.calibration, CALIBRATION_WINDOWS, "sampled",
+               f"answers sampled at {DEMO_TEMPERATURE}: calibration"),
+              (files.healing, HEAL_WINDOWS, "greedy", "answers greedy: healing"))
     missing = [w for w in wanted if not w[0].is_file()]
     if missing:
         import transformers
@@ -206,7 +207,8 @@ def demo_conversations(dense: Path, seed: int) -> Conversations:
             print(f"writing {windows * WINDOW:,} tokens of conversations with the dense model ({what} text, "
                   "no download; done once, then cached)...")
             texts = self_conversations(teacher, tokenizer, tokens=windows * WINDOW, rows=HEAL_WINDOWS, seq_len=WINDOW,
-                                       seed=seed, temperature=DEMO_TEMPERATURE, answer_temperature=answers)
+                                       seed=seed, temperature=DEMO_TEMPERATURE,
+                                       answer_temperature=answer_temperature(answers))
             write_atomic(path, "".join(texts))
     return files
 

@@ -87,21 +87,18 @@ class HealJob:
              if k not in ("resume", "json_log", "save_every", "eval_text", "eval_every", "eval_tokens",
                           "overwrite")}
         d["calib_text"] = [str(p) for p in self.calib_text]
-        if not self.source_weights:  # equal turns: what a run made before the option recorded
-            del d["source_weights"]
-        else:
-            d["source_weights"] = list(self.source_weights)
-        if self.calib_self and self.temperature != SELF_TEMPERATURE:  # the conversations depend on it
-            d["calib_temperature"] = self.temperature
-        else:  # the default: what runs made before the option sampled at
-            del d["calib_temperature"]
-        if d["calib_answers"] == "sampled":  # the default: what runs made before the option wrote
-            del d["calib_answers"]
+        d["source_weights"] = list(self.source_weights)
+        d["calib_temperature"] = self.temperature if self.calib_self else SELF_TEMPERATURE  # only conversations use it
+        for key, default in self.omitted_settings().items():  # what runs made before these options recorded
+            if d[key] == default:
+                del d[key]
         return d
 
     @staticmethod
     def omitted_settings() -> dict[str, Any]:
-        """The values :meth:`settings` leaves out of ``job.json`` (a resume reads them as these)."""
+        """The settings ``job.json`` leaves out at these, their defaults (equal turns, the default
+        temperature, sampled answers): runs made before each option existed resume, and a resume
+        reads a missing one as its default."""
         return {"source_weights": [], "calib_temperature": SELF_TEMPERATURE, "calib_answers": "sampled"}
 
     @property
