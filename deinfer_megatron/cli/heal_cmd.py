@@ -33,7 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=10, help="warm-up steps before the cosine decay")
     p.add_argument("--batch", type=int, default=4, help="windows per step")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
-    p.add_argument("--train", choices=TRAINABLE, default="factors", help="which factors to train")
+    p.add_argument("--train", choices=TRAINABLE, default="factors",
+                   help="what trains: both factors (default), only U or only V, every matrix of the blocks "
+                        "(factors and those kept dense), or all parameters")
     p.add_argument("--ce-weight", type=float, default=0.0, help="weight of next-token cross-entropy beside the KL")
     p.add_argument("--distill", choices=DISTILL, default="logits",
                    help="KL of the logits, each layer's output on the teacher's input, or half then half")

@@ -48,7 +48,7 @@ class HFStudent:
     Args:
         folder: the opened decomposed folder (verified by the caller).
         teacher: the dense Hugging Face model (``load_teacher``).
-        train: which factors train (``models.hf_factored.TRAINABLE``).
+        train: what trains (``models.hf_factored.TRAINABLE``).
         optimizer: AdamW, its schedule and the clipping (``LoopSettings.optimizer``).
         ce_weight: weight of the next-token cross-entropy beside the KL (logit steps).
         bf16: run the forward passes under CPU bfloat16 autocast (weights stay float32).

@@ -96,7 +96,7 @@ class MegatronStudent:
     Args:
         stage: this rank's loaded stage of the decomposed student.
         teacher: this rank's stage of the dense teacher (dense layout).
-        train: which factors train (``training.select_parameters``).
+        train: what trains (``training.select_parameters``).
         optimizer: AdamW, its schedule and the clipping (``LoopSettings.optimizer``).
         ce_weight: weight of the next-token cross-entropy beside the KL.
         bf16: run the steps under CPU bfloat16 autocast (weights stay float32).

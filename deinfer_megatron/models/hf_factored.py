@@ -7,8 +7,9 @@ three users:
 
 - the reference the project is measured against (``bench --peers hf``,
   ``scripts/heal_reference.py``): the factors frozen, eval mode;
-- the one-process ``heal`` student (``healing.hf_student``): ``trainable`` picks which factors
-  train, and :func:`folder_tensors` gives the healed weights back under the folder's names;
+- the one-process ``heal`` student (``healing.hf_student``): ``trainable`` picks what trains
+  (factors, every block matrix, or everything), and :func:`folder_tensors` gives the healed
+  weights back under the folder's names;
 - with ``multiply_out``, the dense model DeepSpeed AutoTP shards (``bench --peers deepspeed``):
   AutoTP knows ``nn.Linear`` but mis-shards a factor pair's second factor.
 
@@ -34,7 +35,7 @@ from torch import nn
 
 from deinfer_megatron.checkpoints.folder import ModelFolder, open_model
 
-TRAINABLE = ("factors", "u", "v")  # which factors a trainable model trains
+TRAINABLE = ("all", "linear", "factors", "u", "v")  # what a trainable model trains
 # A factor pair's tensors: the folder's leaf name → the parameter of FactorLinears that holds it.
 _FACTOR_NAMES = {"u": "u.weight", "v": "v.weight", "bias": "u.bias"}
 _CHOSEN = {"factors": ("u.weight", "v.weight"), "u": ("u.weight",), "v": ("v.weight",)}
@@ -95,10 +96,12 @@ def hf_model(folder: Path | ModelFolder, *, multiply_out: bool = False, verify: 
         multiply_out: give each decomposed matrix as one ``nn.Linear`` of ``U·V`` (the product
             in float32, then cast to ``dtype``) instead of a :class:`FactorLinears`.
         verify: check the folder's manifest when it is opened here.
-        trainable: None — eval mode, every gradient off (a model to run); ``"factors"``,
-            ``"u"`` or ``"v"`` — train mode, gradients on for the weights of both factors of every
-            pair, only the ``U``s or only the ``V``s (biases, embeddings, norms and the matrices
-            kept dense stay frozen), each factor the model's own copy.
+        trainable: None — eval mode, every gradient off (a model to run); otherwise train mode
+            with gradients on for: ``"all"`` every parameter; ``"linear"`` every matrix of the
+            decoder layers, factors and matrices kept dense, with their biases (embeddings, head
+            and norms frozen); ``"factors"``, ``"u"`` or ``"v"`` the weights of both factors of
+            every pair, only the ``U``s or only the ``V``s (biases, embeddings, norms and the
+            matrices kept dense frozen). Each factor is the model's own copy.
         dtype: what every parameter is cast to, once, as it is read (``torch.float32`` or
             ``torch.bfloat16``).
 
@@ -139,10 +142,13 @@ def hf_model(folder: Path | ModelFolder, *, multiply_out: bool = False, verify: 
                          f"(missing {missing[:3]}, unexpected {unexpected[:3]}); re-create the folder")
     if tied:
         model.tie_weights()
-    model.requires_grad_(False)
+    model.requires_grad_(trainable == "all")
     if trainable is None:
         return model.eval()
-    for module in model.modules():
+    for module in model.model.layers.modules() if trainable == "linear" else ():
+        if isinstance(module, nn.Linear):
+            module.requires_grad_(True)
+    for module in model.modules() if trainable in _CHOSEN else ():
         if isinstance(module, FactorLinears):
             for pname, param in module.named_parameters():
                 param.requires_grad_(pname in _CHOSEN[trainable])

@@ -19,9 +19,9 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
-from deinfer_megatron.layers.factor_base import Factor
 from deinfer_megatron.layers.factors import DownFactor, UpFactor
 from deinfer_megatron.models.build import Stage
 from deinfer_megatron.parallel import comm
@@ -30,22 +30,28 @@ from deinfer_megatron.training.optimizer import OptimizerConfig, clip_by_global_
 MicroBatch = Mapping[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
 
-TRAIN_CHOICES = ("all", "factors", "u", "v")
+TRAIN_CHOICES = ("all", "linear", "factors", "u", "v")
 _EMBEDDING = "embedding.word_embeddings.weight"
 _HEAD = "output_layer.weight"
+_HEAD_MODULE = _HEAD.partition(".")[0]
 
 
 def select_parameters(model: nn.Module, train: str) -> list[tuple[str, nn.Parameter]]:
-    """The parameters ``train`` names: ``"all"``; ``"factors"`` (every U and V factor of the
+    """The parameters ``train`` names: ``"all"``; ``"linear"`` (every matrix of the transformer
+    blocks — the factors and the matrices the rank config kept dense, with their biases — but not
+    the embeddings, the output layer or the norms); ``"factors"`` (every U and V factor of the
     decomposed blocks, U's biases included); ``"u"`` (up factors) or ``"v"`` (down factors)."""
     if train not in TRAIN_CHOICES:
         raise ValueError(f"unknown train selection {train!r}; choose one of {', '.join(TRAIN_CHOICES)}")
     if train == "all":
         return list(model.named_parameters())
-    kinds = {"factors": (DownFactor, UpFactor), "u": (UpFactor,), "v": (DownFactor,)}[train]
+    kinds = {"linear": (DownFactor, UpFactor, ColumnParallelLinear, RowParallelLinear, nn.Linear),
+             "factors": (DownFactor, UpFactor), "u": (UpFactor,), "v": (DownFactor,)}[train]
     out: list[tuple[str, nn.Parameter]] = []
     for name, module in model.named_modules():
-        if isinstance(module, Factor) and isinstance(module, kinds):
+        if name.rpartition(".")[2] == _HEAD_MODULE:
+            continue  # a column-parallel linear too, but the head (tied to the embedding) is no block's
+        if isinstance(module, kinds):
             out += [(f"{name}.{n}", p) for n, p in module.named_parameters(recurse=False)]
     return out
 

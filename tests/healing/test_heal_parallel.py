@@ -1,7 +1,8 @@
 """``heal --tp/--pp``: the Megatron student healed on 2 ranks ends with the weights of the
 one-rank run (same seed, same data order), a kill at TP=2 followed by ``--resume`` ends with
-the uninterrupted TP=2 weights bit for bit, and the parallel run lowers the KL measured by
-transformers alone (``test_heal.py``'s reference)."""
+the uninterrupted TP=2 weights bit for bit, the parallel run lowers the KL measured by
+transformers alone (``test_heal.py``'s reference), and ``--train linear`` moves every matrix of
+the blocks — factors and matrices kept dense — alike on one and two ranks, nothing else."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.robustness.harness import run_cli
 
 STEPS, BATCH, SEQ = 24, 2, 32
 SAME = 1e-5  # relative (Frobenius) difference of every healed tensor between TP/PP sizes
+SAME_ADAM = 1e-4  # the same after few steps (Adam's first updates are ±lr whatever a gradient's size)
 
 
 @lru_cache(maxsize=None)
@@ -90,3 +92,33 @@ def test_dense_layout_and_block_distillation_at_tp2_are_refused(pair, tmp_path) 
     with pytest.raises(ValueError, match="--tp 3 does not split"):
         run_heal(HealJob(**base, tp=3))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def half_dense(pair, tmp_path_factory) -> Path:
+    """The pair's teacher with only its first layer decomposed: the second keeps dense matrices."""
+    from deinfer_megatron.decompose.job import DecomposeJob, run_decompose
+
+    root = tmp_path_factory.mktemp("half-dense")
+    ranks = {n: r for n, r in json.loads((pair.dec.parent / "ranks.json").read_text()).items()
+             if n.startswith("model.layers.0.")}
+    (root / "ranks.json").write_text(json.dumps(ranks))
+    return run_decompose(DecomposeJob(pair.dense, "svd", rank_config=root / "ranks.json", out=root / "dec"))
+
+
+def test_train_linear_moves_every_block_matrix_alike_on_one_and_two_ranks(pair, half_dense, tmp_path) -> None:
+    healed = {}
+    for tp in (1, 2):
+        run_heal(HealJob(model=half_dense, teacher=pair.dense, out=tmp_path / f"tp{tp}", calib_text=(pair.heal_text,),
+                         tokens=16 * BATCH * SEQ, batch=BATCH, seq_len=SEQ, lr=1e-3, warmup=2, tp=tp, train="linear"))
+        healed[tp] = _tensors(tmp_path / f"tp{tp}")
+    original = _tensors(half_dense)
+    moved = {k for k in original if not healed[1][k].equal(original[k])}
+    blocks = {k for k in original if k.startswith("model.layers.") and "norm" not in k}
+    assert any(k.endswith(".u") for k in blocks) and any(k.startswith("model.layers.1.") for k in blocks)
+    assert moved == blocks  # factors and kept-dense matrices; embeddings and norms stay
+    rel = {k: ((healed[2][k] - healed[1][k]).norm() / healed[1][k].norm()).item() for k in original}
+    assert max(rel.values()) <= SAME_ADAM, sorted(rel.items(), key=lambda kv: -kv[1])[:3]
+    assert json.loads((tmp_path / "tp2" / MANIFEST).read_text())["healing"]["train"] == "linear"
+    assert _reference_kl(pair.dense, tmp_path / "tp1", pair.held_out) < _reference_kl(pair.dense, half_dense,
+                                                                                     pair.held_out)

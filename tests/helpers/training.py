@@ -217,7 +217,7 @@ def _one_size(tp: int, pp: int, families: list[str], layouts: list[str], steps: 
                 except ValueError as err:
                     selection = str(err)
             else:
-                selection = {w: [n for n, _ in select_parameters(stage.model, w)] for w in ("u", "v")}
+                selection = {w: [n for n, _ in select_parameters(stage.model, w)] for w in ("u", "v", "linear", "all")}
             out["results"][f"{family}/{layout}"] = {
                 "ranks": c["ranks"],
                 "errors": errors,

@@ -155,7 +155,7 @@ def test_merged_v_padding_stays_zero_under_training() -> None:
     assert seen > 0, "some merged V has padding (Σr not a multiple of TP)"
 
 
-def test_train_selects_u_or_v_factors_and_refuses_an_empty_selection() -> None:
+def test_train_selects_u_v_or_every_block_matrix_and_refuses_an_empty_selection() -> None:
     for tp, pp in SIZES:
         for key, ranks in _entries(tp, pp).items():
             for rank, entry in ranks:
@@ -168,3 +168,7 @@ def test_train_selects_u_or_v_factors_and_refuses_an_empty_selection() -> None:
                 assert all(n.split(".")[-2] in ("linear_q_up", "linear_k_up", "linear_v_up", "up") for n in u), u
                 assert all(n.split(".")[-2] in ("linear_qkv_down", "down") for n in v), v
                 assert not set(u) & set(v)
+                linear, everything = set(selection["linear"]), set(selection["all"])
+                frozen = {n for n in everything if "norm" in n or "embedding" in n or "output_layer" in n}
+                assert frozen and linear == everything - frozen, key  # every block matrix, nothing else
+                assert set(u) | set(v) <= linear, key  # the factors (and any matrix kept dense)
