@@ -145,13 +145,15 @@ def hf_model(folder: Path | ModelFolder, *, multiply_out: bool = False, verify: 
     model.requires_grad_(trainable == "all")
     if trainable is None:
         return model.eval()
-    for module in model.model.layers.modules() if trainable == "linear" else ():
-        if isinstance(module, nn.Linear):
-            module.requires_grad_(True)
-    for module in model.modules() if trainable in _CHOSEN else ():
-        if isinstance(module, FactorLinears):
-            for pname, param in module.named_parameters():
-                param.requires_grad_(pname in _CHOSEN[trainable])
+    if trainable == "linear":  # a factor pair's two halves are nn.Linear too
+        for module in model.model.layers.modules():
+            if isinstance(module, nn.Linear):
+                module.requires_grad_(True)
+    elif trainable in _CHOSEN:
+        for module in model.modules():
+            if isinstance(module, FactorLinears):
+                for pname, param in module.named_parameters():
+                    param.requires_grad_(pname in _CHOSEN[trainable])
     return model.train()
 
 

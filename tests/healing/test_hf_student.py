@@ -126,8 +126,8 @@ def test_the_builder_trains_what_it_is_asked_and_gives_the_folders_tensors_back(
     linear = {n for n, p in hf_model(folder, trainable="linear").named_parameters() if p.requires_grad}
     frozen = {n for n in everything if "norm" in n or "embed_tokens" in n or "lm_head" in n}
     assert frozen and linear == everything - frozen  # factors, biases and the matrices kept dense
-    assert {f"{m}.{leaf}" for m in factored for leaf in ("u.weight", "v.weight", "u.bias") if f"{m}.bias" in
-            folder.source or leaf != "u.bias"} < linear
+    pairs = {n for n in everything if n.rsplit(".", 2)[-2] in ("u", "v")}  # every factor's weight and bias
+    assert pairs and pairs < linear  # and the matrices kept dense besides
     on_disk = load_file(str(biased / "model.safetensors"))
     back = folder_tensors(model, folder)
     assert back.keys() == on_disk.keys() and all(back[k].equal(on_disk[k]) for k in on_disk)
