@@ -25,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--update-damp", type=float, default=UPDATE_DAMP, metavar="D",
                    help="the update's pull towards the dense matrix: λ = D · mean(diag(XᵀX)) (default %(default)s)")
     calib = p.add_mutually_exclusive_group()
-    calib.add_argument("--calib-text", type=Path, help="calibration text file")
+    calib.add_argument("--calib-text", type=Path, nargs="+", metavar="FILE",
+                       help="calibration text files (several share --calib-tokens equally, each from its start)")
     calib.add_argument("--calib-self", type=int, metavar="N", help="calibrate on N self-sampled sequences")
     p.add_argument("--calib-temperature", type=float, metavar="T",
                    help="sampling temperature of the --calib-self text (default %s)" % SELF_TEMPERATURE)
@@ -44,8 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--asvd-alpha", type=float, default=1.0, help="asvd: exponent of the channel scaling")
     p.set_defaults(make_config=lambda a: DecomposeJob(
-        a.model, a.method, a.ratio, a.rank_config, a.allocation, a.calib_text, a.calib_self,
-        a.calib_tokens, a.calib_seq_len, a.layers, a.sequential, a.out, a.tokenizer, a.seed,
+        a.model, a.method, a.ratio, a.rank_config, a.allocation, tuple(a.calib_text) if a.calib_text else None,
+        a.calib_self, a.calib_tokens, a.calib_seq_len, a.layers, a.sequential, a.out, a.tokenizer, a.seed,
         a.asvd_alpha, a.overwrite, a.update, a.update_damp, a.calib_temperature, a.calib_answers), run=main)
 
 

@@ -106,19 +106,38 @@ def answer_temperature(answers: str) -> float | None:
     return 0.0 if answers == "greedy" else None
 
 
-def text_windows(tokenizer: Any, path: str | Path, *, seq_len: int, max_tokens: int) -> torch.Tensor:
-    """Non-overlapping ``[n, seq_len]`` token windows from a text file (at most ``max_tokens``)."""
-    path = Path(path)
-    # Reading a bounded prefix keeps tokenisation cheap on large files.
-    text = read_text(path, "calibration text", max_chars=max_tokens * 12)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    n = min(len(ids), max_tokens) // seq_len
-    if n == 0:
-        raise ValueError(
-            f"calibration text {path} has {len(ids)} tokens, fewer than one window of {seq_len}; "
-            "give a longer file or a smaller --calib-seq-len"
-        )
-    return torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+def text_windows(tokenizer: Any, paths: str | Path | Sequence[str | Path], *, seq_len: int,
+                 max_tokens: int) -> torch.Tensor:
+    """Non-overlapping ``[n, seq_len]`` token windows from one or more text files (at most
+    ``max_tokens`` in all).
+
+    Several files share the windows equally (the first ones take the remainder), each giving
+    its own first windows in the order named: a calibration then spans the kinds of text the
+    model will see — a novel and technical prose, say — instead of the first file filling it."""
+    files = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+    total = max_tokens // seq_len
+    check_text_budget(len(files), seq_len=seq_len, max_tokens=max_tokens)
+    rows = []
+    for i, path in enumerate(files):
+        share = total // len(files) + (i < total % len(files))
+        # Reading a bounded prefix keeps tokenisation cheap on large files.
+        text = read_text(path, "calibration text", max_chars=share * seq_len * 12)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        n = min(len(ids) // seq_len, share)
+        if n == 0:
+            raise ValueError(
+                f"calibration text {path} has {len(ids)} tokens, fewer than one window of {seq_len}; "
+                "give a longer file or a smaller --calib-seq-len"
+            )
+        rows.append(torch.tensor(ids[: n * seq_len]).view(n, seq_len))
+    return torch.cat(rows)
+
+
+def check_text_budget(files: int, *, seq_len: int, max_tokens: int) -> None:
+    """Every calibration file needs at least one window of the budget."""
+    if max_tokens // seq_len < files:
+        raise ValueError(f"--calib-tokens {max_tokens} makes {max_tokens // seq_len} windows of {seq_len} for "
+                         f"{files} --calib-text files; give at least {files * seq_len} tokens or fewer files")
 
 
 def self_samples(model: nn.Module, bos_id: int, *, n: int, seq_len: int, seed: int = 0,

@@ -13,8 +13,8 @@ import torch
 
 from deinfer_megatron.checkpoints.folder import RANK_CONFIG, is_project_folder, open_model, write_decomposed
 from deinfer_megatron.decompose.allocation import ALLOCATOR_VERSION, check_ratio, layer_of, uniform_ranks
-from deinfer_megatron.decompose.calibration import (SELF_TEMPERATURE, check_answers, check_temperature, self_dialogues,
-                                                    self_samples, text_windows)
+from deinfer_megatron.decompose.calibration import (SELF_TEMPERATURE, check_answers, check_temperature,
+                                                    check_text_budget, self_dialogues, self_samples, text_windows)
 from deinfer_megatron.decompose.run import Plan, decompose_model, decomposed_state, nothing_to_decompose
 from deinfer_megatron.decompose.update import UPDATE_DAMP, UPDATES
 from deinfer_megatron.files.staging import claim_output
@@ -39,7 +39,7 @@ class DecomposeJob:
     ratio: float | None = None
     rank_config: Path | None = None
     allocation: str = "uniform"
-    calib_text: Path | None = None
+    calib_text: Path | tuple[Path, ...] | None = None  # one file, or several sharing the windows
     calib_self: int | None = None
     calib_tokens: int = 4096
     calib_seq_len: int = 256
@@ -54,6 +54,13 @@ class DecomposeJob:
     update_damp: float = UPDATE_DAMP
     calib_temperature: float | None = None  # --calib-self sampling; None: SELF_TEMPERATURE
     calib_answers: str = "sampled"  # --calib-self answers: sampled or greedy (chat models)
+
+    @property
+    def calib_files(self) -> tuple[Path, ...]:
+        """The ``--calib-text`` files as a tuple (empty without text calibration)."""
+        if self.calib_text is None:
+            return ()
+        return (Path(self.calib_text),) if isinstance(self.calib_text, (str, Path)) else tuple(map(Path, self.calib_text))
 
     @property
     def temperature(self) -> float:
@@ -127,8 +134,9 @@ def _calibration(job: DecomposeJob, model: Any, tokenizer_dir: Path | None, arch
         import transformers
 
         tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-        ids = text_windows(tokenizer, job.calib_text, seq_len=job.calib_seq_len, max_tokens=job.calib_tokens)
-        return ids, {"source": f"text:{job.calib_text.name}", "tokens": ids.numel(), "seq_len": job.calib_seq_len}
+        ids = text_windows(tokenizer, job.calib_files, seq_len=job.calib_seq_len, max_tokens=job.calib_tokens)
+        source = "text:" + ",".join(f.name for f in job.calib_files)
+        return ids, {"source": source, "tokens": ids.numel(), "seq_len": job.calib_seq_len}
     if job.calib_self is not None:
         tokenizer = _maybe_tokenizer(tokenizer_dir)
         if tokenizer is not None and getattr(tokenizer, "chat_template", None):
@@ -200,7 +208,9 @@ def _validate(job: DecomposeJob) -> None:
     if not job.model.exists():
         raise FileNotFoundError(f"--model {job.model} does not exist")
     if job.calib_text is not None:  # before the model is loaded: a binary file fails in a second
-        read_text(job.calib_text, "calibration text", max_chars=job.calib_tokens * 12)
+        check_text_budget(len(job.calib_files), seq_len=job.calib_seq_len, max_tokens=job.calib_tokens)
+        for path in job.calib_files:
+            read_text(path, "calibration text", max_chars=job.calib_tokens * 12)
     if (job.model / "config.json").is_file():  # a Hugging Face folder: its sizes are known now
         arch = load_arch(job.model)
         if job.rank_config is not None:

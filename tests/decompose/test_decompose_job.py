@@ -130,6 +130,35 @@ def test_text_shorter_than_a_window(tmp_path: Path) -> None:
         evaluate(PerplexityJob(tmp_path / "dense", short, window=64))  # the context is 128
 
 
+def test_several_calibration_files_share_the_windows(tmp_path: Path) -> None:
+    """``--calib-text A B``: the windows are split equally (the first file takes the remainder),
+    each file giving its own first windows, as its own tokenisation cuts them; the manifest
+    names both files; a budget with fewer windows than files is refused before any loading."""
+    import transformers
+
+    from deinfer_megatron.cli.main import run
+    from deinfer_megatron.decompose.calibration import text_windows
+
+    save_tiny_folder("llama", tmp_path / "dense")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "dense")
+    a = real_text_file(tmp_path, TEXT_CHARS, "calibration")
+    b = real_text_file(tmp_path, TEXT_CHARS, "evaluation")
+    first = [tok(f.read_text(), add_special_tokens=False)["input_ids"] for f in (a, b)]
+    read = text_windows(tok, [a, b], seq_len=32, max_tokens=5 * 32 + 7)  # 5 windows: 3 + 2
+    assert torch.equal(read, torch.tensor(first[0][: 3 * 32] + first[1][: 2 * 32]).view(5, 32))
+    assert torch.equal(text_windows(tok, a, seq_len=32, max_tokens=5 * 32), torch.tensor(first[0][:160]).view(5, 32))
+
+    assert run(["decompose", "--model", str(tmp_path / "dense"), "--method", "svd-llm", "--ratio", "0.5",
+                "--calib-text", str(a), str(b), "--calib-tokens", "160", "--calib-seq-len", "32",
+                "--out", str(tmp_path / "dec")]) == 0
+    manifest = json.loads((tmp_path / "dec" / "deinfer_manifest.json").read_text())
+    assert manifest["calibration"] == {"source": "text:calibration.txt,evaluation.txt", "tokens": 160, "seq_len": 32}
+    with pytest.raises(ValueError, match="--calib-tokens 40 makes 1 windows of 32 for 2 --calib-text files"):
+        run_decompose(DecomposeJob(tmp_path / "dense", "svd-llm", ratio=0.5, calib_text=(a, b), calib_tokens=40,
+                                   calib_seq_len=32, out=tmp_path / "never"))
+    assert not (tmp_path / "never").exists()
+
+
 @pytest.mark.parametrize("chat", [True, False], ids=["chat-template", "bos-only"])
 def test_self_calibration_needs_no_text(chat: bool, tmp_path: Path) -> None:
     save_tiny_folder("qwen2", tmp_path / "dense")

@@ -113,6 +113,10 @@ def test_text_files(models, tmp_path, capfd) -> None:
     assert not (tmp_path / "never").exists()
     text = tmp_path / "text.txt"
     text.write_text("It is a truth universally acknowledged. " * 200)
+    line = cli_error(capfd, "decompose", "--model", models.dense, "--method", "svd-llm", "--ratio", "0.5",
+                     "--calib-text", text, binary, "--out", tmp_path / "never")  # the second of two files
+    assert f"calibration text {binary} is a binary file, not text" in line
+    assert not (tmp_path / "never").exists()
     line = cli_error(capfd, "eval-ppl", "--model", models.dense, "--text", text, "--window", "8192")
     assert "--window 8192 is longer than the model's context of 4096 tokens" in line
     assert f"text file {binary} is a binary file" in cli_error(capfd, "eval-ppl", "--model", models.dense, "--text", binary)
