@@ -112,8 +112,9 @@ def test_tp3_on_a_9_head_model_from_an_empty_cache(shapes, tmp_path) -> None:
     leaves its cache as it was."""
     model, text = shapes["heads9"]["model"], shapes["text"]
     fresh = {"DEINFER_MEGATRON_CACHE": str(tmp_path / "fresh")}
-    rates_only = cost_model.cache_path(cost_model.TableKey.current(1), tmp_path / "killed" / "cost_model")
-    cost_model.save(replace(elements_only(), key=cost_model.TableKey.current(1)), rates_only)
+    key = cost_model.TableKey.current(1)  # the key of the ranks' one thread (the harness sets OMP_NUM_THREADS=1)
+    rates_only = cost_model.cache_path(key, tmp_path / "killed" / "cost_model")
+    cost_model.save(replace(elements_only(), key=key), rates_only)
     before = rates_only.read_bytes()
     first = _together(tmp_path, {
         "generate": ((*_generate(model, 3), "--launcher", "deepspeed"), fresh),
