@@ -11,8 +11,12 @@ first half of the budget then logits). The learning rate is the schedule of
 - a token budget is ``steps`` steps and the cosine ends at the last, so the run is a function
   of the step alone and a resumed run repeats the uninterrupted one bit for bit;
 - a time budget (``seconds`` of training, global rank 0's clock, agreed by every rank each
-  step) fixes the cosine's length once, from the first step's duration, and keeps it in the
-  checkpoint, so a resume follows the same schedule.
+  step) sets the cosine's length from the first step's duration, sets it again after every
+  later warm-up step from the steps after the first (the first carries one-time costs:
+  allocation, first touch of the weights; on 2 cores it took 1.5x a later step, so a length set
+  from it ended the cosine at two thirds of the budget), and keeps it from the warm-up's end on.
+  The warm-up's learning rate depends on the step alone, so no length set during it has been
+  used yet. The length is kept in the checkpoint, so a resume follows the same schedule.
 
 Every ``save_every`` steps the checkpoint is staged whole (``checkpoint.tmp/``: the student's
 files on every rank, then ``meta.pt`` — step, records, elapsed time, schedule length — by the
@@ -43,7 +47,7 @@ from deinfer_megatron.training import OptimizerConfig
 MIN_LR_FRACTION = 0.1  # the cosine ends at a tenth of the peak learning rate
 DISTILL = ("logits", "blocks", "blocks-then-logits")
 BLOCKS_FRACTION = 0.5  # blocks-then-logits: the share of the budget spent block-wise
-UNPLANNED = 10**9  # a time budget's schedule length until its first step fixes it
+UNPLANNED = 10**9  # a time budget's schedule length until its first step sets it
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,8 @@ class LoopSettings:
     def optimizer(self) -> OptimizerConfig:
         """AdamW (β 0.9, 0.95), ``warmup`` steps of linear warm-up to ``lr`` (at most all steps
         but one), a cosine to ``MIN_LR_FRACTION · lr`` at the budget's last step, clipping to
-        ``clip``. A time budget's length is unknown until its first step (``Student.plan``)."""
+        ``clip``. A time budget's length is unknown until its first step (``Student.plan``,
+        ``planned_steps``)."""
         total = self.steps if self.steps is not None else UNPLANNED
         return OptimizerConfig(lr=self.lr, total_steps=total, warmup_steps=min(self.warmup, total - 1),
                                min_lr=MIN_LR_FRACTION * self.lr, weight_decay=self.weight_decay,
@@ -84,6 +89,16 @@ class LoopSettings:
             return self.distill
         spent = step / self.steps if self.steps is not None else elapsed / (self.seconds or 1.0)
         return "blocks" if spent < BLOCKS_FRACTION else "logits"
+
+
+def planned_steps(s: LoopSettings, step: int, elapsed: float, first: float) -> int:
+    """A time budget's schedule length after ``step`` steps in ``elapsed`` seconds, the first
+    of which took ``first``: the steps taken plus those the rest of the budget holds at the
+    mean duration of the steps after the first (the first's own after one step), and never
+    inside the warm-up."""
+    per_step = first if step == 1 else (elapsed - first) / (step - 1)
+    left = max(0.0, (s.seconds or 0.0) - elapsed)
+    return max(s.warmup + 1, step + math.ceil(left / per_step) if per_step > 0 else step)
 
 
 class Batches(Protocol):
@@ -124,6 +139,13 @@ def _bar(s: LoopSettings, step: int, elapsed: float, quiet: bool) -> tqdm:
     return tqdm(total=round(s.seconds or 0), initial=round(elapsed), desc="healing", unit="s", file=sys.stderr,
                 dynamic_ncols=True, disable=quiet,
                 bar_format="{l_bar}{bar}| {n:.0f}/{total} s [{remaining} left{postfix}]")
+
+
+def _first_step_s(records: list[dict[str, Any]], step: int, elapsed: float) -> float:
+    """The first step's duration: ``elapsed`` after it, or its record's (a resumed run's too)."""
+    if step == 1:
+        return elapsed
+    return next(r["elapsed_s"] for r in records if r["step"] == 1)
 
 
 def _checkpoint(student: Student, folder: Path, meta: dict[str, Any]) -> None:
@@ -172,9 +194,11 @@ def train(student: Student, data: Batches, s: LoopSettings, *, state_folder: Pat
                 dt = student.agreed(time.perf_counter() - t0)
                 elapsed += dt
                 step += 1
-                if planned is None:  # a time budget: the first step says how many fit
-                    planned = max(s.warmup + 1, math.ceil((s.seconds or 0) / dt))
-                    student.plan(planned)
+                if s.steps is None and step <= max(1, s.warmup):  # a time budget, still warming up
+                    length = planned_steps(s, step, elapsed, _first_step_s(records, step, elapsed))
+                    if length != planned:
+                        planned = length
+                        student.plan(planned)
                 record = {"step": step, "kind": kind, "tokens": step * tokens_per_step, "loss": out.loss,
                           **out.parts, "lr": out.lr, "grad_norm": out.grad_norm,
                           "tokens_per_s": tokens_per_step / dt, "teacher_s": round(out.teacher_s, 4),

@@ -33,11 +33,11 @@ class Crash(Exception):
 
 class Scripted:
     """A student whose one weight is the sum of every batch it stepped on; each step "takes"
-    ``seconds`` on rank 0's clock."""
+    ``seconds`` on rank 0's clock (a list: step k takes its k-th entry, the last one after)."""
 
     reports = True
 
-    def __init__(self, seconds: float = 0.25, crash_at: int | None = None) -> None:
+    def __init__(self, seconds: float | list[float] = 0.25, crash_at: int | None = None) -> None:
         self.weight, self.seconds, self.crash_at = 0.0, seconds, crash_at
         self.planned: list[tuple[int, int]] = []  # (schedule length, steps taken when it was fixed)
         self.taken = 0
@@ -59,6 +59,8 @@ class Scripted:
         return torch.full((*ids.shape, 3), -1.0)
 
     def agreed(self, seconds: float) -> float:
+        if isinstance(self.seconds, list):
+            return self.seconds[min(self.taken, len(self.seconds)) - 1]
         return self.seconds
 
     def barrier(self) -> None:
@@ -114,17 +116,33 @@ def test_a_token_budget_runs_its_steps_with_the_documented_records(tmp_path) -> 
     assert json.loads((tmp_path / FINAL / "weight.json").read_text()) == _weight_after(6)
 
 
-def test_a_time_budget_fixes_the_schedule_from_the_first_step_and_splits_blocks_then_logits(tmp_path) -> None:
+def test_a_time_budget_sets_the_schedule_from_the_first_step_and_splits_blocks_then_logits(tmp_path) -> None:
     student = Scripted(seconds=0.3)
     healed = train(student, Steps(), _settings(steps=None, seconds=1.0, warmup=1, distill="blocks-then-logits"),
                    state_folder=tmp_path)
     assert [r["elapsed_s"] for r in healed.records] == [0.3, 0.6, 0.9, 1.2]  # checked before each step
-    assert student.planned == [(math.ceil(1.0 / 0.3), 1)]  # once, after the first step
+    assert student.planned == [(math.ceil(1.0 / 0.3), 1)]  # once, after the first step (a warm-up of one)
     # the budget spent before each step: 0, 0.3, 0.6, 0.9 — block-wise below half of it
     assert [r["kind"] for r in healed.records] == ["blocks", "blocks", "logits", "logits"]
     slow = Scripted(seconds=5.0)  # one step overruns the budget: the warm-up still fits the schedule
     train(slow, Steps(), _settings(steps=None, seconds=1.0, warmup=3), state_folder=tmp_path / "slow")
     assert slow.planned == [(4, 1)]
+
+
+def test_a_slow_first_step_does_not_end_the_cosine_early(tmp_path) -> None:
+    """The first step takes 3 s, every later one 1 s, the budget is 10 s: 8 steps fit (3 + 7).
+    Set from the first step alone the cosine would end at step 4 (10 / 3), and half the run
+    would be at the floor; set again after each warm-up step from the steps after the first,
+    it ends at the budget's last step: 2 + (10 - 4) / 1 = 8 after step 2, 3 + (10 - 5) / 1 = 8
+    after step 3 (unchanged, so not set again), and left alone after the warm-up."""
+    student = Scripted(seconds=[3.0, 1.0])
+    healed = train(student, Steps(), _settings(steps=None, seconds=10.0, warmup=3), state_folder=tmp_path)
+    assert len(healed.records) == 8 and healed.records[-1]["elapsed_s"] == 10.0
+    assert student.planned == [(4, 1), (8, 2)]
+    uneven = Scripted(seconds=[3.0, 1.0, 2.0, 1.0])  # step 3 takes 2 s: the steps after the first, 1.5 s each
+    healed = train(uneven, Steps(), _settings(steps=None, seconds=10.0, warmup=3), state_folder=tmp_path / "uneven")
+    assert uneven.planned == [(4, 1), (8, 2), (6, 3)]  # 3 + ceil((10 - 6) / 1.5); then fixed
+    assert len(healed.records) == 7  # 3 + 1 + 2 + 1 + 1 + 1 + 1 = 10
 
 
 @pytest.mark.parametrize("seconds", [None, 1.5])
