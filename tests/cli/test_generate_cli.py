@@ -1,6 +1,6 @@
-"""``deinfer-megatron generate`` as users run it: JSON and streamed output, the torchrun and
-DeepSpeed launchers, one-line errors for bad input. (Dying ranks, killed commands and Ctrl-C
-are in tests/robustness.)"""
+"""``deinfer-megatron generate`` as users run it: JSON and streamed output, one-line errors for
+bad input. (The torchrun and DeepSpeed launchers' tokens are checked in
+tests/launch/test_same_code.py; dying ranks, killed commands and Ctrl-C in tests/robustness.)"""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_json_output_in_the_default_layout(models, tmp_path: Path) -> None:
     of its own, so nothing is measured) that favours naive wherever it may, so the plan mixes
     layouts — attention in DeInfer, which the latent cache needs, MLPs naive — and the JSON names
     it. The tokens are Hugging Face's, which ``--layout deinfer`` gives too
-    (``test_launchers_give_the_same_tokens``)."""
+    (``tests/launch/test_same_code.py``, under both launchers)."""
     from deinfer_megatron.checkpoints.folder import open_config
     from deinfer_megatron.planning import cost_model
     from tests.helpers.cost_tables import favouring
@@ -87,15 +87,6 @@ def test_single_prompt_streams_text(models) -> None:
 
     tok = transformers.AutoTokenizer.from_pretrained(models["dec"])
     assert tok.decode(models["expected"][0], skip_special_tokens=True).strip() in proc.stdout
-
-
-@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
-def test_launchers_give_the_same_tokens(models, launcher: str) -> None:
-    extra = ["--engine", "deepspeed"] if launcher == "deepspeed" else []
-    proc = cli(*generate_args(models["dec"], "--tp", "2", "--layout", "deinfer", "--launcher", launcher, *extra))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads(proc.stdout)  # stdout is the one JSON document, the launcher's logs go to stderr
-    assert [o["token_ids"] for o in doc["outputs"]] == models["expected"]
 
 
 def test_bad_inputs_are_one_line_errors(models, tmp_path: Path) -> None:

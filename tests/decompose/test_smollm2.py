@@ -1,13 +1,13 @@
 """The real embedded model: SmolLM2-135M (weights dequantized from a 4-bit GGUF).
 
 Decomposition quality at ratio 0.8 on real English text (svd-llm < asvd < svd; variadic ≤
-uniform for svd-llm), lossless full rank, and eval-ppl agreeing across TP=1/TP=3 and both
-layouts. The text is the standard library's documentation (``tests/helpers/text.py``):
-calibrated on one half, measured on the other, so the file runs on any clone. Calibration and
-evaluation are kept small so that the file runs in a few minutes on 2 cores, and the methods
-decompose every third layer (``LAYERS``, ten of the thirty): the ordering is as plain there
-(perplexity: dense 17.6, svd-llm variadic 22.8, svd-llm 39.2, asvd 199, svd 4.5·10⁴) at a
-third of the SVDs, which were most of the file's time.
+uniform for svd-llm), lossless full rank, and eval-ppl agreeing between TP=1 and TP=3 (DeInfer)
+and between the layouts (TP=1). The text is the standard library's documentation
+(``tests/helpers/text.py``): calibrated on one half, measured on the other, so the file runs on
+any clone. Calibration and evaluation are kept small so that the file runs in a few minutes on 2
+cores, and the methods decompose every third layer (``LAYERS``, ten of the thirty): the ordering
+is as plain there (perplexity: dense 17.6, svd-llm variadic 22.8, svd-llm 39.2, asvd 199, svd
+4.5·10⁴) at a third of the SVDs, which were most of the file's time.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def test_method_ordering_at_ratio_08(smollm2: Path, decomposed: dict[str, Path],
 def test_eval_ppl_agrees_across_tp_and_layouts(decomposed: dict[str, Path], texts: dict[str, Path]) -> None:
     model, text = decomposed["svd-llm-variadic"], texts["evaluation"]
     reference = ppl(model, text, tp=1, layout="deinfer")
-    for tp, layout in ((3, "deinfer"), (3, "naive"), (1, "naive")):
+    # Naive at TP=3 on the real model: its greedy tokens equal Hugging Face's in
+    # tests/generation/test_smollm2_generate.py; one launch fewer here.
+    for tp, layout in ((3, "deinfer"), (1, "naive")):
         assert ppl(model, text, tp=tp, layout=layout) == pytest.approx(reference, rel=1e-3), (tp, layout)
 
 
