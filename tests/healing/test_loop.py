@@ -39,7 +39,7 @@ class Scripted:
 
     def __init__(self, seconds: float | list[float] = 0.25, crash_at: int | None = None) -> None:
         self.weight, self.seconds, self.crash_at = 0.0, seconds, crash_at
-        self.planned: list[tuple[int, int]] = []  # (schedule length, steps taken when it was fixed)
+        self.planned: list[tuple[int, int]] = []  # (schedule length, steps taken when it was set)
         self.taken = 0
 
     def plan(self, total_steps: int) -> None:
@@ -145,16 +145,19 @@ def test_a_slow_first_step_does_not_end_the_cosine_early(tmp_path) -> None:
     assert len(healed.records) == 7  # 3 + 1 + 2 + 1 + 1 + 1 + 1 = 10
 
 
-@pytest.mark.parametrize("seconds", [None, 1.5])
-def test_a_resumed_run_ends_like_the_uninterrupted_one(tmp_path, seconds) -> None:
-    kw = dict(save_every=2, eval_every=3, **({"steps": None, "seconds": seconds} if seconds else {}))
+@pytest.mark.parametrize("seconds,warmup,crash_at", [(None, 2, 5), (1.5, 2, 5), (1.5, 4, 3)])
+def test_a_resumed_run_ends_like_the_uninterrupted_one(tmp_path, seconds, warmup, crash_at) -> None:
+    """Killed in step 5 (after the checkpoint of step 4), or in step 3 of a time budget still
+    warming up (after the checkpoint of step 2: the resumed run sets the length again from the
+    first step's time in the restored records)."""
+    kw = dict(save_every=2, eval_every=3, warmup=warmup, **({"steps": None, "seconds": seconds} if seconds else {}))
     whole = Scripted()
     expected = train(whole, Steps(), _settings(**kw), state_folder=tmp_path / "whole", log=tmp_path / "whole.jsonl",
                      held_out=Probe())
     folder, log = tmp_path / "run", tmp_path / "run.jsonl"
-    with pytest.raises(Crash):  # the fifth step never finishes: the checkpoint of step 4 is the last
-        train(Scripted(crash_at=5), Steps(), _settings(**kw), state_folder=folder, log=log, held_out=Probe())
-    assert torch.load(folder / CHECKPOINT / "meta.pt", weights_only=True)["step"] == 4
+    with pytest.raises(Crash):  # the step never finishes: the checkpoint before it is the last
+        train(Scripted(crash_at=crash_at), Steps(), _settings(**kw), state_folder=folder, log=log, held_out=Probe())
+    assert torch.load(folder / CHECKPOINT / "meta.pt", weights_only=True)["step"] == crash_at - 1
     resumed = Scripted()
     got = train(resumed, Steps(), _settings(**kw), state_folder=folder, resume=True, log=log, held_out=Probe())
     assert got.records == expected.records and resumed.weight == whole.weight == _weight_after(6)
