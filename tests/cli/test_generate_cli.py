@@ -9,11 +9,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
 from deinfer_megatron.specs.layout import Layout
 from tests.helpers.cli import run_cli, run_cli_together
-from tests.helpers.tiny_models import full_rank_folders
+from tests.helpers.tiny_models import full_rank_folders, hf_greedy_texts
 
 PROMPTS = ["It is a truth universally acknowledged", "Emma Woodhouse, handsome, clever"]
 
@@ -21,15 +20,7 @@ PROMPTS = ["It is a truth universally acknowledged", "Emma Woodhouse, handsome, 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
     hf, dense, dec = full_rank_folders(tmp_path_factory.mktemp("cli-gen"), max_position_embeddings=4096)
-    import transformers
-
-    tok = transformers.AutoTokenizer.from_pretrained(dec)
-    expected = []
-    for p in PROMPTS:
-        ids = tok(p, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = hf.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
-        expected.append(out[0, ids.shape[1]:].tolist())
+    expected = hf_greedy_texts(hf, dec, PROMPTS, 6)
     return {"dense": dense, "dec": dec, "expected": expected}
 
 

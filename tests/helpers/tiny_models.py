@@ -144,6 +144,20 @@ def full_rank_folders(root, family: str = "llama", dense_attention: tuple[int, .
     return hf, root / "dense", dec
 
 
+def hf_greedy_texts(model: transformers.PreTrainedModel, folder: Any, prompts: list[str], new: int) -> list[list[int]]:
+    """transformers' greedy ``new`` tokens after each text prompt, tokenised by ``folder``'s
+    tokenizer (special tokens as the tokenizer adds them, no stop token): what ``generate
+    --prompt`` must print for a lossless folder of ``model``."""
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    out = []
+    for prompt in prompts:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            tokens = model.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out.append(tokens[0, ids.shape[1]:].tolist())
+    return out
+
+
 def hf_greedy_alone(model: transformers.PreTrainedModel, prompt: list[int], new: int, eos: int) -> list[int]:
     """transformers' greedy continuation of one prompt (no padding, no batch), cut after the
     first ``eos`` (kept): the reference for the project's own sampling loop."""

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.helpers.cost_tables import favouring
-from tests.helpers.tiny_models import full_rank_folders
+from tests.helpers.tiny_models import full_rank_folders, hf_greedy_texts
 
 PROMPTS = ["It is a truth universally acknowledged", "Emma Woodhouse, handsome, clever"]
 NEW_TOKENS = 6
@@ -36,12 +36,7 @@ def planted(tmp_path_factory) -> dict:
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(dec)
-    expected = []
-    for p in PROMPTS:
-        ids = tok(p, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-        expected.append(out[0, ids.shape[1]:].tolist())
+    expected = hf_greedy_texts(hf, dec, PROMPTS, NEW_TOKENS)
     arch, ranks = open_config(dec, verify=False)
     context = max(len(tok(p)["input_ids"]) for p in PROMPTS) + NEW_TOKENS
     plans, files = [], []

@@ -22,10 +22,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import deinfer_megatron
-from tests.helpers.tiny_models import full_rank_folders
+from tests.helpers.tiny_models import full_rank_folders, hf_greedy_texts
 
 RECORDER = '''
 import atexit, os, sys
@@ -48,15 +47,7 @@ START = "import sys; sys.path.insert(0, sys.argv.pop(1)); from deinfer_megatron.
 def tree(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("same-code")
     hf, _, dec = full_rank_folders(root / "model")
-    import transformers
-
-    tok = transformers.AutoTokenizer.from_pretrained(dec)
-    expected = []
-    for p in PROMPTS:
-        ids = tok(p, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-        expected.append(out[0, ids.shape[1]:].tolist())
+    expected = hf_greedy_texts(hf, dec, PROMPTS, NEW_TOKENS)
     package = Path(deinfer_megatron.__file__).parent
     for name in ("copy", "decoy"):
         shutil.copytree(package, root / name / "deinfer_megatron", ignore=shutil.ignore_patterns("__pycache__"))
